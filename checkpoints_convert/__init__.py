@@ -1,0 +1,1 @@
+"""Offline checkpoint converters: ``python -m checkpoints_convert {gguf,hf,inspect} ...``."""

@@ -1,0 +1,179 @@
+"""GGUF (llama architecture) → Hugging Face style directory: config.json, safetensors, tokenizer files.
+
+Tensors are dequantized with the ``gguf`` package (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q6_K and the rest it
+supports); llama.cpp's interleaved q/k row order is undone so the result uses the HF rotate-half RoPE.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from checkpoints_convert.common import DEFAULT_SHARD_BYTES, ShardedSafetensorsWriter, atomic_output_dir, write_json
+from minicpm_jax.config import ModelConfig
+from minicpm_jax.errors import MiniCPMError
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": "bfloat16"}
+
+
+def open_gguf(path: str):
+    """``gguf.GGUFReader`` with MiniCPMError for missing, truncated or non-GGUF files."""
+    from gguf import GGUFReader
+
+    if not os.path.isfile(path):
+        raise MiniCPMError(f"GGUF file {path!r} does not exist")
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on damaged files
+        raise MiniCPMError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); it may be truncated or corrupt") from None
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return value
+
+
+def gguf_config(reader) -> dict:
+    """An HF ``config.json`` dict (model_type llama) from GGUF metadata; MiniCPMError if unsupported."""
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise MiniCPMError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise MiniCPMError("GGUF tensor rope_freqs.weight (Llama-3.1 rope factors) is not supported; convert from the HF checkpoint")
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise MiniCPMError(f"GGUF {arch}.rope.scaling.type {scaling!r} is not supported")
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise MiniCPMError("GGUF file has no token_embd.weight tensor")
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(embd.shape[1]),
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
+        "hidden_act": "silu",
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+    }
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))}
+    ModelConfig.from_dict(cfg)  # validates
+    return cfg
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's q/k row interleaving: rows (head, pair, half) → (head, half, pair)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_name(gguf_name: str) -> tuple[str, str] | None:
+    """HF tensor name and the GGUF base name (``attn_q``...), or None for tensors HF has no use for."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if suffix != "weight":
+        return None
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.weight", base
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight", parts[2]
+    return None
+
+
+def dequantize(tensor) -> np.ndarray:
+    """A GGUF tensor as float32 in HF order (``[out, in]`` for matrices)."""
+    from gguf import quants
+
+    kind = tensor.tensor_type.name
+    if kind not in SUPPORTED_TYPES:
+        raise MiniCPMError(f"GGUF tensor {tensor.name} has type {kind}, not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+    out = quants.dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(s) for s in reversed(tensor.shape))
+    return np.asarray(out, np.float32).reshape(shape)
+
+
+def convert_gguf(
+    src: str,
+    dst: str,
+    *,
+    dtype: str = "float32",
+    overwrite: bool = False,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: bool = True,
+    tokenizer: bool = True,
+) -> dict:
+    """Converts ``src`` (a .gguf file) into the HF-style directory ``dst`` atomically; returns the config."""
+    from tqdm import tqdm
+
+    if dtype not in DTYPES:
+        raise MiniCPMError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    reader = open_gguf(src)
+    cfg = gguf_config(reader)
+    np_dtype = DTYPES[dtype]
+    if np_dtype == "bfloat16":
+        import ml_dtypes
+
+        np_dtype = ml_dtypes.bfloat16
+    with atomic_output_dir(dst, overwrite) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, shard_bytes)
+        for tensor in tqdm(reader.tensors, desc="dequantizing", unit="tensor", disable=not progress):
+            mapped = hf_name(tensor.name)
+            if mapped is None:
+                continue
+            name, base = mapped
+            w = dequantize(tensor)
+            if base == "attn_q":
+                w = _unpermute(w, cfg["num_attention_heads"])
+            elif base == "attn_k":
+                w = _unpermute(w, cfg["num_key_value_heads"])
+            writer.add(name, w.astype(np_dtype))
+        writer.close()
+        write_json(os.path.join(tmp, "config.json"), {**cfg, "torch_dtype": dtype})
+        gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+        write_json(os.path.join(tmp, "generation_config.json"), gen)
+        if tokenizer:
+            _save_tokenizer(src, tmp)
+    return cfg
+
+
+def _save_tokenizer(src: str, out_dir: str) -> None:
+    """Saves the GGUF's tokenizer and chat template as HF tokenizer files (transformers' GGUF support)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(src)), gguf_file=os.path.basename(src))
+    except Exception as e:
+        raise MiniCPMError(f"cannot read the tokenizer from {src}: {type(e).__name__}: {e}") from None
+    tok.save_pretrained(out_dir)

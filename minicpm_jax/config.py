@@ -1,0 +1,350 @@
+"""Typed model configuration read from a checkpoint's ``config.json``.
+
+Two model types are accepted: ``minicpm`` (MiniCPM / MiniCPM4 / MiniCPM4.1, with the muP-style
+scalings) and ``llama`` (the same network with neutral scalings). Everything is frozen and hashable so
+a config can sit in a jit-static place (an NNX graphdef).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping
+
+from minicpm_jax.errors import MiniCPMError
+
+SUPPORTED_MODEL_TYPES = ("minicpm", "llama")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (``rope_scaling`` / ``rope_parameters`` of the checkpoint)."""
+
+    kind: str = "default"  # one of SUPPORTED_ROPE_TYPES
+    theta: float = 10000.0
+    factor: float = 1.0  # linear / llama3
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int | None = None  # llama3 / longrope
+    short_factor: tuple[float, ...] = ()  # longrope, head_dim/2 values
+    long_factor: tuple[float, ...] = ()  # longrope, head_dim/2 values
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseConfig:
+    """InfLLM-v2 ``sparse_config`` (used by the sparse-attention path; kept here so it is parsed once)."""
+
+    kernel_size: int = 32
+    kernel_stride: int = 16
+    init_blocks: int = 1
+    block_size: int = 64
+    window_size: int = 2048
+    topk: int = 64
+    use_nope: bool = False
+    dense_len: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The network's hyper-parameters.
+
+    MiniCPM math: ``x = E[ids]*scale_emb``; each residual branch is scaled by
+    ``scale_depth/sqrt(num_layers)``; ``logits = lm_head(norm(x) / (hidden_size/dim_model_base))``.
+    A Llama checkpoint is the case ``scale_emb=1, scale_depth=sqrt(L), dim_model_base=hidden_size``.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    scale_emb: float
+    scale_depth: float
+    dim_model_base: float
+    tie_word_embeddings: bool | None  # None: not stated; the weight loader decides by the lm_head tensor
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    sparse: SparseConfig | None = None
+    quantization_json: str | None = None  # raw ``quantization_config``, parsed by the int4 path
+
+    @property
+    def residual_scale(self) -> float:
+        """Multiplier of every residual branch: scale_depth / sqrt(num_layers)."""
+        return self.scale_depth / math.sqrt(self.num_layers)
+
+    @property
+    def logit_scale(self) -> float:
+        """Multiplier applied to the final normed hidden state before lm_head."""
+        return self.dim_model_base / self.hidden_size
+
+    @property
+    def tied_head(self) -> bool:
+        """Whether lm_head shares the embedding matrix (an unstated choice counts as tied)."""
+        return self.tie_word_embeddings is not False
+
+    @property
+    def quantization(self) -> dict | None:
+        return None if self.quantization_json is None else json.loads(self.quantization_json)
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count of the dense network (embedding counted once when tied)."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        layer = attn + 3 * h * i + 2 * h
+        head = 0 if self.tied_head else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * layer + h + head
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "ModelConfig":
+        """Builds a config from a parsed ``config.json``; raises MiniCPMError naming a bad field."""
+        return _parse(dict(raw))
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
+        """Reads ``<path>/config.json`` (or ``path`` itself if it is a file)."""
+        return cls.from_dict(read_config_json(path))
+
+    def to_hf_dict(self) -> dict:
+        """A Hugging Face style ``config.json`` dict that ``from_dict`` reads back to an equal config."""
+        rope = self.rope
+        rope_scaling: dict[str, Any] | None = None
+        if rope.kind == "linear":
+            rope_scaling = {"rope_type": "linear", "factor": rope.factor}
+        elif rope.kind == "llama3":
+            rope_scaling = {
+                "rope_type": "llama3",
+                "factor": rope.factor,
+                "low_freq_factor": rope.low_freq_factor,
+                "high_freq_factor": rope.high_freq_factor,
+                "original_max_position_embeddings": rope.original_max_position_embeddings,
+            }
+        elif rope.kind == "longrope":
+            rope_scaling = {
+                "rope_type": "longrope",
+                "short_factor": list(rope.short_factor),
+                "long_factor": list(rope.long_factor),
+                "original_max_position_embeddings": rope.original_max_position_embeddings,
+            }
+        arch = "MiniCPMForCausalLM" if self.model_type == "minicpm" else "LlamaForCausalLM"
+        out: dict[str, Any] = {
+            "architectures": [arch],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": rope.theta,
+            "rope_scaling": rope_scaling,
+            "tie_word_embeddings": self.tied_head,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.model_type == "minicpm":
+            out.update(scale_emb=self.scale_emb, scale_depth=self.scale_depth, dim_model_base=self.dim_model_base)
+        if self.sparse is not None:
+            out["sparse_config"] = dataclasses.asdict(self.sparse)
+        if self.quantization_json is not None:
+            out["quantization_config"] = json.loads(self.quantization_json)
+        return out
+
+
+def read_config_json(path: str | os.PathLike) -> dict:
+    """Loads ``config.json`` from a model directory with a clear error when it is absent or broken."""
+    path = os.fspath(path)
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(path):
+        raise MiniCPMError(f"model path {path!r} does not exist; pass a Hugging Face model directory")
+    if not os.path.isfile(file):
+        raise MiniCPMError(
+            f"no config.json in {path!r}; a model directory needs config.json and *.safetensors "
+            "(convert other formats with `python -m checkpoints_convert`)"
+        )
+    try:
+        with open(file, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise MiniCPMError(f"cannot read {file}: {e}") from None
+    if not isinstance(raw, dict):
+        raise MiniCPMError(f"{file} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def _need(raw: dict, key: str, typ: type | tuple[type, ...], default: Any = dataclasses.MISSING) -> Any:
+    if key not in raw or raw[key] is None:
+        if default is dataclasses.MISSING:
+            raise MiniCPMError(f"config.json: required field {key!r} is missing")
+        return default
+    value = raw[key]
+    ok_types = typ if isinstance(typ, tuple) else (typ,)
+    if isinstance(value, bool) and bool not in ok_types:
+        raise MiniCPMError(f"config.json: field {key!r} must be {_names(ok_types)}, got {value!r}")
+    if float in ok_types and isinstance(value, int):
+        value = float(value)
+    if not isinstance(value, ok_types):
+        raise MiniCPMError(f"config.json: field {key!r} must be {_names(ok_types)}, got {value!r}")
+    return value
+
+
+def _names(types: tuple[type, ...]) -> str:
+    return " or ".join(t.__name__ for t in types)
+
+
+def _positive(key: str, value: int | float) -> int | float:
+    if value <= 0:
+        raise MiniCPMError(f"config.json: field {key!r} must be positive, got {value!r}")
+    return value
+
+
+def _parse_rope(raw: dict, head_dim: int) -> RopeConfig:
+    scaling = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(scaling, dict):
+        raise MiniCPMError(f"config.json: field 'rope_scaling' must be an object or null, got {scaling!r}")
+    theta = scaling.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+        raise MiniCPMError(f"config.json: field 'rope_theta' must be a positive number, got {theta!r}")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise MiniCPMError(
+            f"config.json: rope_scaling.rope_type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    orig = scaling.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    kw: dict[str, Any] = {"kind": kind, "theta": float(theta)}
+    if kind in ("linear", "llama3"):
+        factor = scaling.get("factor")
+        if not isinstance(factor, (int, float)) or factor <= 0:
+            raise MiniCPMError(f"config.json: rope_scaling.factor must be a positive number for {kind!r}, got {factor!r}")
+        kw["factor"] = float(factor)
+    if kind == "llama3":
+        if not isinstance(orig, int) or orig <= 0:
+            raise MiniCPMError("config.json: rope_scaling.original_max_position_embeddings is required for 'llama3'")
+        kw.update(
+            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=orig,
+        )
+    if kind == "longrope":
+        if not isinstance(orig, int) or orig <= 0:
+            raise MiniCPMError("config.json: rope_scaling.original_max_position_embeddings is required for 'longrope'")
+        factors = {}
+        for name in ("short_factor", "long_factor"):
+            vals = scaling.get(name)
+            if (
+                not isinstance(vals, list)
+                or len(vals) != head_dim // 2
+                or not all(isinstance(v, (int, float)) and v > 0 for v in vals)
+            ):
+                raise MiniCPMError(
+                    f"config.json: rope_scaling.{name} must be a list of {head_dim // 2} positive numbers (head_dim/2)"
+                )
+            factors[name] = tuple(float(v) for v in vals)
+        kw.update(original_max_position_embeddings=orig, **factors)
+    return RopeConfig(**kw)
+
+
+def _parse_sparse(raw: dict) -> SparseConfig | None:
+    sc = raw.get("sparse_config")
+    if sc is None:
+        return None
+    if not isinstance(sc, dict):
+        raise MiniCPMError(f"config.json: field 'sparse_config' must be an object, got {sc!r}")
+    kw = {}
+    for field in dataclasses.fields(SparseConfig):
+        if field.name in sc:
+            val = sc[field.name]
+            want = bool if field.type in ("bool", bool) else int
+            if want is int and (not isinstance(val, int) or isinstance(val, bool) or val < 0):
+                raise MiniCPMError(f"config.json: sparse_config.{field.name} must be a non-negative integer, got {val!r}")
+            if want is bool and not isinstance(val, bool):
+                raise MiniCPMError(f"config.json: sparse_config.{field.name} must be true or false, got {val!r}")
+            kw[field.name] = val
+    return SparseConfig(**kw)
+
+
+def _token_ids(raw: dict, key: str) -> tuple[int, ...]:
+    val = raw.get(key)
+    if val is None:
+        return ()
+    vals = val if isinstance(val, list) else [val]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in vals):
+        raise MiniCPMError(f"config.json: field {key!r} must be a token id or a list of token ids, got {val!r}")
+    return tuple(dict.fromkeys(vals))
+
+
+def _parse(raw: dict) -> ModelConfig:
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise MiniCPMError(
+            f"config.json: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise MiniCPMError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
+    for flag in ("attention_bias", "mlp_bias"):
+        if raw.get(flag):
+            raise MiniCPMError(f"config.json: {flag}=true is not supported (MiniCPM and Llama use no biases)")
+
+    hidden = _positive("hidden_size", _need(raw, "hidden_size", int))
+    heads = _positive("num_attention_heads", _need(raw, "num_attention_heads", int))
+    kv_heads = _positive("num_key_value_heads", _need(raw, "num_key_value_heads", int, heads))
+    if heads % kv_heads:
+        raise MiniCPMError(
+            f"config.json: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+        )
+    head_dim = raw.get("head_dim") or raw.get("kv_channels") or hidden // heads
+    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        raise MiniCPMError(f"config.json: field 'head_dim' must be a positive even integer, got {head_dim!r}")
+    layers = _positive("num_hidden_layers", _need(raw, "num_hidden_layers", int))
+
+    if model_type == "minicpm":
+        # Defaults are those of the Hugging Face MiniCPMConfig class.
+        scale_emb = _need(raw, "scale_emb", float, 1.0)
+        scale_depth = _need(raw, "scale_depth", float, 1.0)
+        dim_model_base = _need(raw, "dim_model_base", float, 1.0)
+        tie_default = None  # the remote-code MiniCPM configs disagree; decided by the checkpoint
+    else:
+        scale_emb, scale_depth, dim_model_base = 1.0, math.sqrt(layers), float(hidden)
+        tie_default = False
+    quant = raw.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise MiniCPMError(f"config.json: field 'quantization_config' must be an object, got {quant!r}")
+
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=_positive("vocab_size", _need(raw, "vocab_size", int)),
+        hidden_size=hidden,
+        intermediate_size=_positive("intermediate_size", _need(raw, "intermediate_size", int)),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_positive("rms_norm_eps", _need(raw, "rms_norm_eps", float, 1e-6)),
+        max_position_embeddings=_positive("max_position_embeddings", _need(raw, "max_position_embeddings", int, 4096)),
+        rope=_parse_rope(raw, head_dim),
+        scale_emb=_positive("scale_emb", scale_emb),
+        scale_depth=scale_depth,
+        dim_model_base=_positive("dim_model_base", dim_model_base),
+        tie_word_embeddings=_need(raw, "tie_word_embeddings", bool, tie_default),
+        bos_token_id=(_token_ids(raw, "bos_token_id") or (None,))[0],
+        eos_token_ids=_token_ids(raw, "eos_token_id"),
+        pad_token_id=(_token_ids(raw, "pad_token_id") or (None,))[0],
+        sparse=_parse_sparse(raw),
+        quantization_json=None if quant is None else json.dumps(quant, sort_keys=True),
+    )

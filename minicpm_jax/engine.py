@@ -1,0 +1,333 @@
+"""Generation: chunked prefill into the static cache, then a device-side decode loop.
+
+Data path: prompt ids → ``prefill`` runs fixed-size chunks (one compiled shape; the last chunk padded)
+→ the first token is sampled on device → ``decode`` runs up to ``decode_block`` steps per host round
+trip inside one jit (``lax.while_loop``, cache donated), stopping rows on stop ids / token budget /
+full cache on device → the host receives each block, streams it and dispatches the next block before
+reading the current one, so host work overlaps device work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from minicpm_jax.cache import KVCache
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.model import MiniCPMForCausalLM
+from minicpm_jax.sampling import SamplingParams, row_key, sample
+
+FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
+MAX_STOP_IDS = 16  # static width of the per-row stop-id table
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    """Per-row decode state, all ``[B]`` unless noted; lives on device between blocks.
+
+    tok: last sampled token (not yet in the cache). done / finish: finished flag and reason.
+    n_gen: tokens generated so far. max_new: token budget. keys ``uint32[B, 2]``: sampling keys.
+    stop_ids ``int32[B, MAX_STOP_IDS]`` (-1 padded).
+    """
+
+    tok: jax.Array
+    done: jax.Array
+    finish: jax.Array
+    n_gen: jax.Array
+    max_new: jax.Array
+    keys: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    stop_ids: jax.Array
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """One sequence's output: generated ids (stop token included) and why it ended ('stop'/'length')."""
+
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """Timings of one ``generate`` call (seconds; token counts summed over the batch)."""
+
+    prefill_tokens: int = 0
+    prefill_time: float = 0.0
+    decode_tokens: int = 0
+    decode_time: float = 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_time if self.prefill_time > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_time if self.decode_time > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_time_s": self.prefill_time,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "decode_tokens": self.decode_tokens,
+            "decode_time_s": self.decode_time,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+        }
+
+
+def _check_stops(ds: DecodeState, new_tok, active, cache_lengths, max_length) -> DecodeState:
+    """Updates tok / n_gen / done / finish after ``new_tok`` was drawn for the ``active`` rows."""
+    n_gen = ds.n_gen + active.astype(jnp.int32)
+    hit_stop = active & jnp.any(new_tok[:, None] == ds.stop_ids, axis=-1)
+    hit_len = active & ~hit_stop & ((n_gen >= ds.max_new) | (cache_lengths >= max_length))
+    finish = jnp.where(hit_stop, FINISH_STOP, jnp.where(hit_len, FINISH_LENGTH, ds.finish))
+    return dataclasses.replace(
+        ds,
+        tok=jnp.where(active, new_tok, ds.tok),
+        n_gen=n_gen,
+        done=ds.done | hit_stop | hit_len,
+        finish=finish.astype(jnp.int32),
+    )
+
+
+def _prefill_chunk(graphdef, state, cache: KVCache, tokens, num_valid, last_logits):
+    """One prompt chunk ``tokens int32[B, C]``; keeps the logits of each row's last real token."""
+    model = nnx.merge(graphdef, state)
+    hidden, cache = model.forward(tokens, cache, num_valid)
+    last = jnp.take_along_axis(hidden, jnp.maximum(num_valid - 1, 0)[:, None, None], axis=1)[:, 0]
+    logits = model.logits(last)
+    return cache, jnp.where((num_valid > 0)[:, None], logits, last_logits)
+
+
+def _first_token(ds: DecodeState, logits, active, cache_lengths, max_length):
+    """Samples each active row's first token from its prefill logits."""
+    tok = sample(logits, ds.keys, ds.n_gen, ds.temperature, ds.top_k, ds.top_p)
+    return _check_stops(ds, tok, active, cache_lengths, max_length)
+
+
+def _decode_block(graphdef, state, cache: KVCache, ds: DecodeState, num_steps: int):
+    """Up to ``num_steps`` decode steps on device; returns (cache, state, tokens ``int32[B, num_steps]``, -1 = none)."""
+    model = nnx.merge(graphdef, state)
+    out = jnp.full((ds.tok.shape[0], num_steps), -1, jnp.int32)
+
+    def cond(carry):
+        i, _, ds, _ = carry
+        return (i < num_steps) & jnp.any(~ds.done)
+
+    def body(carry):
+        i, cache, ds, out = carry
+        active = ~ds.done
+        hidden, cache = model.forward(ds.tok[:, None], cache, active.astype(jnp.int32))
+        logits = model.logits(hidden[:, 0])
+        new_tok = sample(logits, ds.keys, ds.n_gen, ds.temperature, ds.top_k, ds.top_p)
+        out = out.at[:, i].set(jnp.where(active, new_tok, -1))
+        ds = _check_stops(ds, new_tok, active, cache.lengths, cache.max_length)
+        return i + 1, cache, ds, out
+
+    _, cache, ds, out = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, ds, out))
+    return cache, ds, out
+
+
+class Engine:
+    """Batched generation over one model and one static cache.
+
+    Args:
+      model: a loaded :class:`MiniCPMForCausalLM` (its ``max_length`` sizes the cache).
+      batch_size: static number of sequence slots.
+      chunk_length: prefill chunk size (one compiled shape).
+      decode_block: decode steps per host round trip.
+    """
+
+    def __init__(
+        self, model: MiniCPMForCausalLM, *, batch_size: int = 1, chunk_length: int = 256, decode_block: int = 16
+    ):
+        if batch_size < 1 or chunk_length < 1 or decode_block < 1:
+            raise MiniCPMError("batch_size, chunk_length and decode_block must be positive")
+        self.model = model
+        self.config = model.config
+        self.max_length = model.max_length
+        self.batch_size = batch_size
+        self.chunk_length = min(chunk_length, self.max_length)
+        self.decode_block = decode_block
+        self.graphdef, self.state = nnx.split(model)
+        self.cache = KVCache.create(self.config, batch_size, self.max_length, model.dtype)
+        self._pending = [None] * batch_size  # last sampled token per row, not yet in the cache
+        self._prefill = jax.jit(_prefill_chunk, static_argnums=0, donate_argnums=2)
+        self._first = jax.jit(_first_token, static_argnums=4)
+        self._decode = jax.jit(_decode_block, static_argnums=(0, 4), donate_argnums=2)
+
+    # ---------------------------------------------------------------- helpers
+    def cache_lengths(self) -> list[int]:
+        return [int(x) for x in jax.device_get(self.cache.lengths)]
+
+    def reset(self) -> None:
+        """Forgets every cached sequence."""
+        self.cache = self.cache.reset()
+        self._pending = [None] * self.batch_size
+
+    def _stop_table(self, stop_ids: Sequence[Sequence[int]]) -> np.ndarray:
+        table = np.full((self.batch_size, MAX_STOP_IDS), -1, np.int32)
+        for row, ids in enumerate(stop_ids):
+            ids = list(dict.fromkeys(ids))
+            if len(ids) > MAX_STOP_IDS:
+                raise MiniCPMError(f"at most {MAX_STOP_IDS} stop token ids per request, got {len(ids)}")
+            table[row, : len(ids)] = ids
+        return table
+
+    # ---------------------------------------------------------------- generate
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        max_new_tokens: int | Sequence[int] = 256,
+        stop_token_ids: Sequence[int] | Sequence[Sequence[int]] = (),
+        keep_cache: bool = False,
+        on_tokens: Callable[[list[list[int]]], bool | None] | None = None,
+        on_prefill: Callable[[int, int], None] | None = None,
+    ) -> tuple[list[GenerationResult], GenerationStats]:
+        """Generates a continuation of every prompt (one row each; at most ``batch_size``).
+
+        prompts: token ids per row. keep_cache: append the prompts after what each row already holds
+        (multi-turn chat) instead of starting empty. stop_token_ids: shared list, or one list per row.
+        on_tokens(new_ids_per_row): called with each block of new tokens (list per row, maybe empty);
+        returning a list of row indices to stop early (e.g. a stop string matched) is allowed.
+        on_prefill(done_tokens, total_tokens): prefill progress (synchronises after each chunk).
+        Returns per-row results and the timing stats.
+        """
+        n = len(prompts)
+        if not 1 <= n <= self.batch_size:
+            raise MiniCPMError(f"generate takes 1..{self.batch_size} prompts (the engine's batch size), got {n}")
+        samplings = [sampling] * n if isinstance(sampling, SamplingParams) else list(sampling)
+        budgets = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if stop_token_ids and not isinstance(stop_token_ids[0], (list, tuple)):
+            stops = [list(stop_token_ids)] * n
+        else:
+            stops = [list(s) for s in stop_token_ids] or [[]] * n
+        if not (len(samplings) == len(budgets) == len(stops) == n):
+            raise MiniCPMError("sampling, max_new_tokens and stop_token_ids need one entry per prompt")
+        if any(b < 1 for b in budgets):
+            raise MiniCPMError(f"max_new_tokens must be >= 1, got {min(budgets)}")
+
+        if not keep_cache:
+            self.reset()
+        start = self.cache_lengths()
+        rows = []
+        for i, p in enumerate(prompts):
+            ids = ([self._pending[i]] if keep_cache and self._pending[i] is not None else []) + [int(t) for t in p]
+            if not ids:
+                raise MiniCPMError("empty prompt: give at least one token")
+            if any(t < 0 or t >= self.config.vocab_size for t in ids):
+                raise MiniCPMError(f"prompt {i} has token ids outside the vocabulary [0, {self.config.vocab_size})")
+            if start[i] + len(ids) >= self.max_length:
+                raise MiniCPMError(
+                    f"prompt {i} needs {start[i] + len(ids)} cache slots plus room to generate, but max_length is "
+                    f"{self.max_length}; shorten the prompt or raise --max_length"
+                )
+            rows.append(ids)
+
+        stats = GenerationStats(prefill_tokens=sum(len(r) for r in rows))
+        t0 = time.perf_counter()
+        logits = self._run_prefill(rows, on_prefill)
+        active = np.zeros(self.batch_size, bool)
+        active[:n] = True
+        ds = DecodeState(
+            tok=jnp.zeros(self.batch_size, jnp.int32),
+            done=jnp.asarray(~active),
+            finish=jnp.zeros(self.batch_size, jnp.int32),
+            n_gen=jnp.zeros(self.batch_size, jnp.int32),
+            max_new=jnp.asarray(np.pad(budgets, (0, self.batch_size - n), constant_values=1), jnp.int32),
+            keys=jnp.stack([row_key(s.seed) for s in samplings] + [row_key(0)] * (self.batch_size - n)),
+            temperature=jnp.asarray([s.temperature for s in samplings] + [0.0] * (self.batch_size - n), jnp.float32),
+            top_k=jnp.asarray([s.top_k for s in samplings] + [0] * (self.batch_size - n), jnp.int32),
+            top_p=jnp.asarray([s.top_p for s in samplings] + [1.0] * (self.batch_size - n), jnp.float32),
+            stop_ids=jnp.asarray(self._stop_table(stops)),
+        )
+        ds = self._first(ds, logits, jnp.asarray(active), self.cache.lengths, self.max_length)
+        first, done = jax.device_get((ds.tok, ds.done))
+        stats.prefill_time = time.perf_counter() - t0
+
+        outputs: list[list[int]] = [[int(first[i])] for i in range(n)]
+        host_done = [bool(done[i]) for i in range(n)]
+        self._emit(on_tokens, [[t[0]] for t in outputs], host_done, ds)
+        t1 = time.perf_counter()
+        ds = self._decode_loop(ds, outputs, host_done, on_tokens)
+        stats.decode_time = time.perf_counter() - t1
+        stats.decode_tokens = sum(len(o) - 1 for o in outputs)
+
+        finish = jax.device_get(ds.finish)
+        results = []
+        for i in range(n):
+            reason = FINISH_NAMES.get(int(finish[i]), "stop")
+            results.append(GenerationResult(outputs[i], reason, len(rows[i])))
+            self._pending[i] = outputs[i][-1]
+        # Rows stopped by the host may have run ahead on device: keep only the accepted tokens cached.
+        lengths = np.asarray(start[:n]) + np.asarray([len(r) + len(o) - 1 for r, o in zip(rows, outputs)])
+        self.cache = dataclasses.replace(self.cache, lengths=self.cache.lengths.at[:n].set(jnp.asarray(lengths, jnp.int32)))
+        return results, stats
+
+    def _run_prefill(self, rows: list[list[int]], on_prefill) -> jax.Array:
+        """Runs all prompt rows through the cache chunk by chunk; returns the last-token logits ``f32[B, V]``."""
+        c = self.chunk_length
+        total = max(len(r) for r in rows)
+        logits = jnp.zeros((self.batch_size, self.config.vocab_size), jnp.float32)
+        for begin in range(0, total, c):
+            tokens = np.zeros((self.batch_size, c), np.int32)
+            num_valid = np.zeros(self.batch_size, np.int32)
+            for i, r in enumerate(rows):
+                piece = r[begin : begin + c]
+                tokens[i, : len(piece)] = piece
+                num_valid[i] = len(piece)
+            self.cache, logits = self._prefill(self.graphdef, self.state, self.cache, tokens, num_valid, logits)
+            if on_prefill is not None:
+                logits.block_until_ready()
+                on_prefill(min(begin + c, total), total)
+        return logits
+
+    def _decode_loop(self, ds: DecodeState, outputs, host_done, on_tokens) -> DecodeState:
+        """Dispatches block k+1 before reading block k, so the host's streaming overlaps device work."""
+        pending = None  # (tokens, done flags) of the block in flight
+        while not all(host_done):
+            self.cache, ds, block = self._decode(self.graphdef, self.state, self.cache, ds, self.decode_block)
+            if pending is not None:
+                ds = self._consume(pending, outputs, host_done, on_tokens, ds)
+            pending = (block, ds.done)
+        return ds
+
+    def _consume(self, pending, outputs, host_done, on_tokens, ds: DecodeState) -> DecodeState:
+        block, done = jax.device_get(pending)
+        new = [[] for _ in outputs]
+        for i in range(len(outputs)):
+            if host_done[i]:
+                continue
+            toks = [int(t) for t in block[i] if t >= 0]
+            outputs[i].extend(toks)
+            new[i] = toks
+            host_done[i] = bool(done[i])
+        return self._emit(on_tokens, new, host_done, ds)
+
+    def _emit(self, on_tokens, new, host_done, ds: DecodeState) -> DecodeState:
+        if on_tokens is None:
+            return ds
+        stop_rows = on_tokens(new) or []
+        if not stop_rows:
+            return ds
+        for i in stop_rows:
+            host_done[i] = True
+        mask = np.zeros(self.batch_size, bool)
+        mask[list(stop_rows)] = True
+        m = jnp.asarray(mask)
+        return dataclasses.replace(ds, done=ds.done | m, finish=jnp.where(m, FINISH_STOP, ds.finish))

@@ -1,0 +1,65 @@
+"""Building blocks of the MiniCPM network: embedding, RMSNorm, bias-free linear, SwiGLU MLP.
+
+Parameter names mirror the checkpoint names (``embed_tokens``, ``mlp.gate_up_proj`` ...) so the weight
+loaders are maps. Linear kernels are stored ``[in, out]``; q/k/v and gate/up are fused along ``out``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+INIT_STD = 0.02  # random-weight initialisation (tests, benchmarks); real weights come from a checkpoint
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * INIT_STD).astype(dtype))
+
+
+class Linear(nnx.Module):
+    """``y = x @ kernel`` with ``kernel [in_features, out_features]``, no bias; output in x.dtype."""
+
+    def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.kernel = _normal(rngs, (in_features, out_features), dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.dot(x, self.kernel[...].astype(x.dtype))
+
+
+class Embed(nnx.Module):
+    """Token embedding table ``embedding [vocab, hidden]``."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.embedding = _normal(rngs, (vocab_size, hidden_size), dtype)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """``ids int32[...]`` → ``[..., hidden]`` in the table's dtype."""
+        return jnp.take(self.embedding[...], ids, axis=0)
+
+
+class RMSNorm(nnx.Module):
+    """``x * rsqrt(mean(x^2) + eps) * weight`` with fp32 statistics (as the HF code: normalise in fp32,
+    cast to the input dtype, then multiply by the weight)."""
+
+    def __init__(self, hidden_size: int, eps: float, *, dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((hidden_size,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return normed.astype(x.dtype) * self.weight[...].astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into ``gate_up_proj``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, rngs=rngs, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(jax.nn.silu(gate) * up)

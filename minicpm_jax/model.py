@@ -1,0 +1,116 @@
+"""The MiniCPM4 network as a Flax NNX module: (params, cache, tokens) → (logits, hidden, cache).
+
+The same module serves Llama-family checkpoints (neutral scalings). Layers are unrolled (a Python loop)
+rather than scanned so XLA streams every weight matrix straight into its GEMV at decode.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from minicpm_jax.attention import Attention, get_attention_impl
+from minicpm_jax.cache import KVCache
+from minicpm_jax.config import ModelConfig
+from minicpm_jax.layers import MLP, Embed, Linear, RMSNorm
+
+
+class DecoderLayer(nnx.Module):
+    """``x += s·attn(norm(x)); x += s·mlp(norm(x))`` with ``s = scale_depth/sqrt(num_layers)``."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, max_length: int, attention_impl: str, rngs, dtype):
+        self.residual_scale = config.residual_scale
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(
+            config, layer, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype
+        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x, positions, valid, cache: KVCache, kv_lengths):
+        attn, cache = self.self_attn(self.input_layernorm(x), positions, valid, cache, kv_lengths)
+        x = x + attn * jnp.asarray(self.residual_scale, x.dtype)
+        x = x + self.mlp(self.post_attention_layernorm(x)) * jnp.asarray(self.residual_scale, x.dtype)
+        return x, cache
+
+
+class MiniCPMModel(nnx.Module):
+    """Embedding, decoder layers and final norm (the checkpoint's ``model.`` prefix)."""
+
+    def __init__(self, config: ModelConfig, *, max_length: int, attention_impl: str, rngs, dtype):
+        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, dtype=dtype)
+        self.layers = nnx.List(
+            [
+                DecoderLayer(config, i, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype)
+                for i in range(config.num_layers)
+            ]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+
+class MiniCPMForCausalLM(nnx.Module):
+    """MiniCPM4 / MiniCPM4.1 / Llama causal LM over a static :class:`KVCache`.
+
+    Args:
+      config: the model's hyper-parameters.
+      max_length: static cache length the model will run with (LongRoPE picks its factors from it).
+      attention_impl: ``"xla"`` (reference) or a registered kernel name.
+      dtype: weight and activation dtype (bf16 on GPU; fp32 for exact tests).
+      rngs: random initialisation (real weights are loaded over it by ``weights.load_model``).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        max_length: int = 4096,
+        attention_impl: str = "xla",
+        dtype=jnp.float32,
+        rngs: nnx.Rngs | None = None,
+    ):
+        get_attention_impl(attention_impl)  # fail early on an unknown name
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config = config
+        self.max_length = max_length
+        self.dtype = jnp.dtype(dtype)
+        self.model = MiniCPMModel(config, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype)
+        if not config.tied_head:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, rngs=rngs, dtype=dtype)
+
+    def forward(
+        self, tokens: jax.Array, cache: KVCache, num_valid: jax.Array | None = None
+    ) -> tuple[jax.Array, KVCache]:
+        """Runs ``tokens int32[B, T]`` appended after each sequence's cached tokens.
+
+        num_valid: ``int32[B]``, how many leading tokens of each row are real (default: all T). Padded
+        tokens are computed but neither cached nor counted.
+        Returns the final-normed hidden states ``[B, T, hidden]`` (model dtype) and the updated cache.
+        """
+        b, t = tokens.shape
+        if num_valid is None:
+            num_valid = jnp.full((b,), t, jnp.int32)
+        steps = jnp.arange(t, dtype=jnp.int32)
+        positions = cache.lengths[:, None] + steps[None, :]
+        valid = steps[None, :] < num_valid[:, None]
+        kv_lengths = cache.lengths + num_valid
+        x = self.model.embed_tokens(tokens).astype(self.dtype) * jnp.asarray(self.config.scale_emb, self.dtype)
+        for layer in self.model.layers:
+            x, cache = layer(x, positions, valid, cache, kv_lengths)
+        cache = KVCache(k=cache.k, v=cache.v, lengths=kv_lengths)
+        return self.model.norm(x), cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """``hidden [..., hidden_size]`` (final-normed) → fp32 logits ``[..., vocab]``."""
+        h = hidden * jnp.asarray(self.config.logit_scale, hidden.dtype)
+        if self.config.tied_head:
+            w = self.model.embed_tokens.embedding[...]
+            return jnp.einsum("...h,vh->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+        return jnp.dot(h, self.lm_head.kernel[...].astype(h.dtype), preferred_element_type=jnp.float32)
+
+    def __call__(
+        self, tokens: jax.Array, cache: KVCache, num_valid: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array, KVCache]:
+        """Full forward: returns (fp32 logits ``[B, T, vocab]``, hidden ``[B, T, hidden]``, cache)."""
+        hidden, cache = self.forward(tokens, cache, num_valid)
+        return self.logits(hidden), hidden, cache

@@ -1,0 +1,106 @@
+"""Text ↔ ids: the checkpoint's tokenizer, its chat template, stop ids and incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+from minicpm_jax.config import ModelConfig
+from minicpm_jax.errors import MiniCPMError
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """``transformers.AutoTokenizer`` of a model directory; MiniCPMError if it has no tokenizer files."""
+    from transformers import AutoTokenizer  # heavy import, only when text is involved
+
+    try:
+        return AutoTokenizer.from_pretrained(os.fspath(path))
+    except (OSError, ValueError, TypeError) as e:
+        raise MiniCPMError(f"cannot load a tokenizer from {os.fspath(path)!r}: {e}") from None
+
+
+def encode_prompt(
+    tokenizer,
+    text: str | None = None,
+    *,
+    messages: Sequence[dict] | None = None,
+    use_chat_template: bool = True,
+    system_prompt: str | None = None,
+    enable_thinking: bool | None = None,
+) -> list[int]:
+    """Prompt ids for ``text`` (one user turn) or a whole ``messages`` list.
+
+    With the chat template the assistant turn is opened (``add_generation_prompt``); ``enable_thinking``
+    is passed to templates that take it (MiniCPM4.1's hybrid reasoning switch). Without a template the
+    text is tokenized as is (with the tokenizer's BOS, if it adds one).
+    """
+    if messages is None:
+        if text is None:
+            raise MiniCPMError("no prompt given")
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": text}
+        ]
+    if not use_chat_template:
+        return list(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
+    if not getattr(tokenizer, "chat_template", None):
+        raise MiniCPMError("this tokenizer has no chat template; run with --use_chat_template=false")
+    extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **extra)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def stop_token_ids(config: ModelConfig, tokenizer=None, model_dir: str | None = None) -> list[int]:
+    """End-of-sequence ids: config.json, generation_config.json and the tokenizer's eos, deduplicated."""
+    ids = list(config.eos_token_ids)
+    if model_dir:
+        gen = os.path.join(model_dir, "generation_config.json")
+        if os.path.isfile(gen):
+            try:
+                with open(gen, encoding="utf-8") as f:
+                    eos = json.load(f).get("eos_token_id")
+            except (OSError, ValueError):
+                eos = None
+            ids += eos if isinstance(eos, list) else ([eos] if isinstance(eos, int) else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return list(dict.fromkeys(ids))
+
+
+class StreamDecoder:
+    """Incremental detokenization: feed ids, get the newly completed text.
+
+    Decodes a short window of recent ids and emits the difference, holding back text that ends in an
+    incomplete UTF-8 sequence (U+FFFD), so multi-token characters and leading spaces come out right.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # window start
+        self.read_offset = 0  # ids before this are already emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        """Appends ids and returns the text they complete (possibly empty)."""
+        self.ids.extend(int(i) for i in new_ids)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return delta
+
+    def flush(self) -> str:
+        """Whatever is left (including a trailing incomplete character)."""
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix) :] if len(full) > len(prefix) else ""

@@ -1,0 +1,221 @@
+"""Checkpoint → model: Hugging Face safetensors (single file or sharded), loaded tensor by tensor.
+
+Each engine parameter is built from its checkpoint tensors (transposed to ``[in, out]``, q/k/v and
+gate/up fused) and cast to the chosen dtype one at a time, so host memory peaks at about one copy of
+the weights. Problems (missing, unexpected, mis-shaped tensors, unreadable files) are collected and
+reported together in one :class:`MiniCPMError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from typing import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from safetensors import SafetensorError, safe_open
+
+from minicpm_jax.config import ModelConfig
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.model import MiniCPMForCausalLM
+
+ParamPath = tuple  # an NNX state path, e.g. ("model", "layers", 0, "mlp", "down_proj", "kernel")
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exporters save; recomputed here
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSource:
+    """How one engine parameter is made: checkpoint tensors (each ``[out, in]`` or 1-D) and a combiner."""
+
+    path: ParamPath
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    combine: Callable[[list[jax.Array]], jax.Array]
+
+
+def _transpose_concat(parts: list[jax.Array]) -> jax.Array:
+    return jnp.concatenate([p.T for p in parts], axis=1) if len(parts) > 1 else parts[0].T
+
+
+def _identity(parts: list[jax.Array]) -> jax.Array:
+    return parts[0]
+
+
+def param_sources(config: ModelConfig, names: set[str]) -> list[ParamSource]:
+    """The checkpoint tensors behind every parameter of :class:`MiniCPMForCausalLM`.
+
+    ``names`` (the checkpoint's tensor names) decides between split and already-fused q/k/v and gate/up.
+    """
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    nq, nkv = config.num_heads * d, config.num_kv_heads * d
+    out = [ParamSource(("model", "embed_tokens", "embedding"), ("model.embed_tokens.weight",), ((config.vocab_size, h),), _identity)]
+    for layer in range(config.num_layers):
+        pre, path = f"model.layers.{layer}.", ("model", "layers", layer)
+        if pre + "self_attn.qkv_proj.weight" in names:
+            qkv = ((pre + "self_attn.qkv_proj.weight",), ((nq + 2 * nkv, h),))
+        else:
+            qkv = (tuple(pre + f"self_attn.{p}_proj.weight" for p in "qkv"), ((nq, h), (nkv, h), (nkv, h)))
+        if pre + "mlp.gate_up_proj.weight" in names:
+            gate_up = ((pre + "mlp.gate_up_proj.weight",), ((2 * i, h),))
+        else:
+            gate_up = ((pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"), ((i, h), (i, h)))
+        out += [
+            ParamSource(path + ("input_layernorm", "weight"), (pre + "input_layernorm.weight",), ((h,),), _identity),
+            ParamSource(path + ("self_attn", "qkv_proj", "kernel"), *qkv, _transpose_concat),
+            ParamSource(path + ("self_attn", "o_proj", "kernel"), (pre + "self_attn.o_proj.weight",), ((h, nq),), _transpose_concat),
+            ParamSource(path + ("post_attention_layernorm", "weight"), (pre + "post_attention_layernorm.weight",), ((h,),), _identity),
+            ParamSource(path + ("mlp", "gate_up_proj", "kernel"), *gate_up, _transpose_concat),
+            ParamSource(path + ("mlp", "down_proj", "kernel"), (pre + "mlp.down_proj.weight",), ((h, i),), _transpose_concat),
+        ]
+    out.append(ParamSource(("model", "norm", "weight"), ("model.norm.weight",), ((h,),), _identity))
+    if not config.tied_head:
+        out.append(ParamSource(("lm_head", "kernel"), ("lm_head.weight",), ((config.vocab_size, h),), _transpose_concat))
+    return out
+
+
+def safetensors_files(path: str) -> dict[str, str]:
+    """Maps every tensor name of a model directory to the safetensors file holding it."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise MiniCPMError(f"cannot read {index}: {e!r}; re-download or re-convert the checkpoint") from None
+        missing = sorted({f for f in weight_map.values() if not os.path.isfile(os.path.join(path, f))})
+        if missing:
+            raise MiniCPMError(f"{index} names shard files that are missing: {', '.join(missing)}")
+        return {name: os.path.join(path, f) for name, f in weight_map.items()}
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise MiniCPMError(
+            f"no *.safetensors files in {path!r}; convert GGUF or other checkpoints with `python -m checkpoints_convert`"
+        )
+    mapping: dict[str, str] = {}
+    for f in files:
+        full = os.path.join(path, f)
+        with _open(full) as handle:
+            for name in handle.keys():
+                mapping[name] = full
+    return mapping
+
+
+@contextlib.contextmanager
+def _open(file: str) -> Iterator:
+    try:
+        handle = safe_open(file, framework="flax")
+    except (SafetensorError, OSError) as e:
+        raise MiniCPMError(f"{file} is not a readable safetensors file ({e}); it may be truncated or corrupt") from None
+    with handle as h:
+        yield h
+
+
+class _TensorReader:
+    """Keeps one safetensors handle open per file while parameters are assembled."""
+
+    def __init__(self, files: dict[str, str]):
+        self.files = files
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[str, object] = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+    def _handle(self, name: str):
+        file = self.files[name]
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(_open(file))
+        return self._handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> jax.Array:
+        try:
+            return self._handle(name).get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise MiniCPMError(f"cannot read tensor {name!r} from {self.files[name]}: {e}") from None
+
+
+def resolve_tied_head(config: ModelConfig, names: set[str]) -> ModelConfig:
+    """Fixes an unstated ``tie_word_embeddings`` by whether the checkpoint has ``lm_head.weight``."""
+    if config.tie_word_embeddings is None:
+        return dataclasses.replace(config, tie_word_embeddings="lm_head.weight" not in names)
+    return config
+
+
+def _report(problems: Sequence[str], what: str) -> None:
+    if problems:
+        shown = list(problems[:25]) + ([f"... and {len(problems) - 25} more"] if len(problems) > 25 else [])
+        raise MiniCPMError(f"checkpoint {what} does not match the model config:\n  " + "\n  ".join(shown))
+
+
+def load_hf_params(path: str, config: ModelConfig, dtype) -> Iterator[tuple[ParamPath, jax.Array]]:
+    """Yields ``(param path, array)`` for every parameter, reading the checkpoint tensor by tensor.
+
+    All names and shapes are checked before any tensor is read; problems raise one MiniCPMError.
+    """
+    files = safetensors_files(path)
+    names = set(files)
+    sources = param_sources(config, names)
+    with _TensorReader(files) as reader:
+        problems, used = [], set()
+        for src in sources:
+            for name, want in zip(src.names, src.shapes):
+                used.add(name)
+                if name not in names:
+                    problems.append(f"missing tensor {name} (expected shape {list(want)})")
+                elif reader.shape(name) != want:
+                    problems.append(f"tensor {name} has shape {list(reader.shape(name))}, expected {list(want)}")
+        tied_extra = {"lm_head.weight"} if config.tied_head else set()
+        unexpected = sorted(n for n in names - used - tied_extra if not n.endswith(IGNORED_SUFFIXES))
+        problems += [f"unexpected tensor {n}" for n in unexpected]
+        _report(problems, repr(path))
+        for src in sources:
+            parts = [reader.get(name) for name in src.names]
+            yield src.path, src.combine(parts).astype(dtype)
+            del parts
+
+
+def abstract_model(config: ModelConfig, **model_kwargs) -> MiniCPMForCausalLM:
+    """The model with shape-only parameters (no memory), ready to be filled by a loader."""
+    return nnx.eval_shape(lambda: MiniCPMForCausalLM(config, rngs=nnx.Rngs(0), **model_kwargs))
+
+
+def fill_model(model: MiniCPMForCausalLM, params: Iterator[tuple[ParamPath, jax.Array]]) -> MiniCPMForCausalLM:
+    """Replaces the parameters of an (abstract) model by the given arrays; every parameter must be given."""
+    graphdef, state = nnx.split(model)
+    flat = dict(nnx.to_flat_state(state))
+    seen = set()
+    for path, value in params:
+        var = flat[path]
+        if tuple(value.shape) != tuple(var.shape):
+            raise MiniCPMError(f"parameter {'.'.join(map(str, path))} has shape {value.shape}, expected {var.shape}")
+        var.set_value(value) if hasattr(var, "set_value") else setattr(var, "value", value)
+        seen.add(path)
+    missing = [".".join(map(str, p)) for p in flat if p not in seen]
+    if missing:
+        raise MiniCPMError(f"parameters not loaded: {', '.join(missing[:10])}")
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def load_model(
+    path: str | os.PathLike, *, dtype=jnp.bfloat16, max_length: int = 4096, attention_impl: str = "xla"
+) -> MiniCPMForCausalLM:
+    """Loads a Hugging Face checkpoint directory (``config.json`` + safetensors) into a model.
+
+    dtype: weights and activations (``bfloat16`` on GPU; ``float32`` for exact comparisons).
+    max_length: the static cache length this model will run with.
+    """
+    path = os.fspath(path)
+    config = ModelConfig.from_pretrained(path)
+    config = resolve_tied_head(config, set(safetensors_files(path)))
+    model = abstract_model(config, max_length=max_length, attention_impl=attention_impl, dtype=dtype)
+    return fill_model(model, load_hf_params(path, config, dtype))

