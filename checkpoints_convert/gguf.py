@@ -170,8 +170,15 @@ def convert_gguf(
 
 def _save_tokenizer(src: str, out_dir: str) -> None:
     """Saves the GGUF's tokenizer and chat template as HF tokenizer files (transformers' GGUF support)."""
+    import importlib.util
+
     from transformers import AutoTokenizer
 
+    if importlib.util.find_spec("torch") is None:  # transformers' GGUF metadata reader imports torch
+        raise MiniCPMError(
+            "reading a GGUF tokenizer needs PyTorch (transformers' GGUF reader imports it); install the CPU "
+            "build: pip install torch --index-url https://download.pytorch.org/whl/cpu"
+        )
     try:
         tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(src)), gguf_file=os.path.basename(src))
     except Exception as e:

@@ -168,3 +168,14 @@ def test_sharded_gguf_output_loads(tmp_path):
     assert model.config.tied_head is False and model.config.num_kv_heads == 2
     with pytest.raises(MiniCPMError, match="destination .* already exists"):
         convert_gguf(str(tmp_path / "tiny.gguf"), dst, progress=False, tokenizer=False)
+
+
+def test_gguf_tokenizer_without_torch_says_how_to_fix(monkeypatch, tmp_path):
+    import importlib.util
+
+    from checkpoints_convert.gguf import _save_tokenizer
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    with pytest.raises(MiniCPMError, match="needs PyTorch.*pip install torch"):
+        _save_tokenizer(str(tmp_path / "m.gguf"), str(tmp_path))
