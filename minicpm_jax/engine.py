@@ -196,13 +196,21 @@ class Engine:
             table[row, : len(ids)] = ids
         return table
 
-    def _empty_state(self) -> DecodeState:
-        b = self.batch_size
+    def _initial_state(self, samplings: list[SamplingParams], budgets: list[int], stops: list[list[int]]) -> DecodeState:
+        """Decode state for the first ``len(samplings)`` rows; the remaining slots start finished."""
+        n, pad = len(samplings), self.batch_size - len(samplings)
+        samplings = samplings + [SamplingParams()] * pad
         return DecodeState(
-            tok=jnp.zeros(b, jnp.int32), done=jnp.zeros(b, bool), finish=jnp.zeros(b, jnp.int32),
-            n_gen=jnp.zeros(b, jnp.int32), max_new=jnp.ones(b, jnp.int32), keys=jnp.stack([row_key(0)] * b),
-            temperature=jnp.zeros(b, jnp.float32), top_k=jnp.zeros(b, jnp.int32), top_p=jnp.ones(b, jnp.float32),
-            stop_ids=jnp.full((b, MAX_STOP_IDS), -1, jnp.int32),
+            tok=jnp.zeros(self.batch_size, jnp.int32),
+            done=jnp.asarray(np.arange(self.batch_size) >= n),
+            finish=jnp.zeros(self.batch_size, jnp.int32),
+            n_gen=jnp.zeros(self.batch_size, jnp.int32),
+            max_new=jnp.asarray(list(budgets) + [1] * pad, jnp.int32),
+            keys=jnp.stack([row_key(s.seed) for s in samplings]),
+            temperature=jnp.asarray([s.temperature for s in samplings], jnp.float32),
+            top_k=jnp.asarray([s.top_k for s in samplings], jnp.int32),
+            top_p=jnp.asarray([s.top_p for s in samplings], jnp.float32),
+            stop_ids=jnp.asarray(self._stop_table(stops)),
         )
 
     def _executable(self, name: str, key, *args):
@@ -219,7 +227,7 @@ class Engine:
 
     def compiled_decode_hlo(self) -> str:
         """Optimized HLO of the decode block (for performance work)."""
-        return self._executable("decode", None, self.state, self.cache, self._empty_state()).as_text()
+        return self._executable("decode", None, self.state, self.cache, self._initial_state([], [], [])).as_text()
 
     # ---------------------------------------------------------------- generate
     def generate(
@@ -230,7 +238,7 @@ class Engine:
         max_new_tokens: int | Sequence[int] = 256,
         stop_token_ids: Sequence[int] | Sequence[Sequence[int]] = (),
         reuse_prefix: bool = False,
-        on_tokens: Callable[[list[list[int]]], bool | None] | None = None,
+        on_tokens: Callable[[list[list[int]]], Sequence[int] | None] | None = None,
         on_prefill: Callable[[int, int], None] | None = None,
     ) -> tuple[list[GenerationResult], GenerationStats]:
         """Generates a continuation of every prompt (one row each; at most ``batch_size``).
@@ -281,21 +289,8 @@ class Engine:
         compile0 = self.compile_time
         t0 = time.perf_counter()
         logits = self._run_prefill(rows_new, on_prefill)
-        active = np.zeros(self.batch_size, bool)
-        active[:n] = True
-        ds = DecodeState(
-            tok=jnp.zeros(self.batch_size, jnp.int32),
-            done=jnp.asarray(~active),
-            finish=jnp.zeros(self.batch_size, jnp.int32),
-            n_gen=jnp.zeros(self.batch_size, jnp.int32),
-            max_new=jnp.asarray(np.pad(budgets, (0, self.batch_size - n), constant_values=1), jnp.int32),
-            keys=jnp.stack([row_key(s.seed) for s in samplings] + [row_key(0)] * (self.batch_size - n)),
-            temperature=jnp.asarray([s.temperature for s in samplings] + [0.0] * (self.batch_size - n), jnp.float32),
-            top_k=jnp.asarray([s.top_k for s in samplings] + [0] * (self.batch_size - n), jnp.int32),
-            top_p=jnp.asarray([s.top_p for s in samplings] + [1.0] * (self.batch_size - n), jnp.float32),
-            stop_ids=jnp.asarray(self._stop_table(stops)),
-        )
-        first_args = (ds, logits, jnp.asarray(active), self.cache.lengths)
+        ds = self._initial_state(samplings, budgets, stops)
+        first_args = (ds, logits, ~ds.done, self.cache.lengths)
         ds = self._executable("first", None, *first_args)(*first_args)
         first, done = jax.device_get((ds.tok, ds.done))
         compile1 = self.compile_time
@@ -303,7 +298,7 @@ class Engine:
 
         outputs: list[list[int]] = [[int(first[i])] for i in range(n)]
         host_done = [bool(done[i]) for i in range(n)]
-        self._emit(on_tokens, [[t[0]] for t in outputs], host_done, ds)
+        ds = self._emit(on_tokens, [[t[0]] for t in outputs], host_done, ds)
         t1 = time.perf_counter()
         ds = self._decode_loop(ds, outputs, host_done, on_tokens)
         stats.decode_time = time.perf_counter() - t1 - (self.compile_time - compile1)

@@ -268,7 +268,7 @@ class Runner:
             messages.append({"role": "assistant", "content": text})
             print()
             if FLAGS.stats:
-                print(format_stats(stats, True) if FLAGS.plain_output else format_stats(stats, False), file=sys.stderr)
+                print(format_stats(stats, FLAGS.plain_output), file=sys.stderr)
 
 
 def enable_compilation_cache() -> None:

@@ -69,6 +69,12 @@ def test_callback_can_stop_a_row(engine):
     assert res.token_ids == seen
 
 
+def test_callback_can_stop_a_row_at_its_first_token(engine):
+    [res], _ = engine.generate([PROMPT], max_new_tokens=30, on_tokens=lambda new: [0])
+    assert len(res.token_ids) == 1 and res.finish_reason == "stop"
+    assert engine.cache_lengths()[0] == len(PROMPT)
+
+
 def test_multi_turn_prefix_reuse_equals_fresh_run(engine):
     turn2 = [21, 22, 23]
     [a], _ = engine.generate([PROMPT], max_new_tokens=6)
