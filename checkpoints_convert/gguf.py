@@ -168,13 +168,17 @@ def convert_gguf(
     return cfg
 
 
-def _save_tokenizer(src: str, out_dir: str) -> None:
-    """Saves the GGUF's tokenizer and chat template as HF tokenizer files (transformers' GGUF support)."""
+def _torch_installed() -> bool:
     import importlib.util
 
+    return importlib.util.find_spec("torch") is not None
+
+
+def _save_tokenizer(src: str, out_dir: str) -> None:
+    """Saves the GGUF's tokenizer and chat template as HF tokenizer files (transformers' GGUF support)."""
     from transformers import AutoTokenizer
 
-    if importlib.util.find_spec("torch") is None:  # transformers' GGUF metadata reader imports torch
+    if not _torch_installed():  # transformers' GGUF metadata reader imports torch
         raise MiniCPMError(
             "reading a GGUF tokenizer needs PyTorch (transformers' GGUF reader imports it); install the CPU "
             "build: pip install torch --index-url https://download.pytorch.org/whl/cpu"
