@@ -11,7 +11,10 @@ import jax.numpy as jnp
 from checkpoints_convert.common import atomic_output_dir
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.errors import MiniCPMError
-from minicpm_jax.weights import NATIVE_PARAMS_DIR, abstract_model, fill_model, load_hf_params, resolve_tied_head, save_native, safetensors_files
+from minicpm_jax.weights import (
+    NATIVE_PARAMS_DIR, abstract_model, fill_model, load_hf_params, param_sources, resolve_tied_head, save_native,
+    safetensors_files,
+)
 
 _WEIGHT_FILES = ("config.json", "model.safetensors.index.json")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -42,8 +45,10 @@ def copy_side_files(src: str, dst: str) -> list[str]:
     return copied
 
 
-def convert_hf(src: str, dst: str, *, dtype: str = "auto", overwrite: bool = False) -> ModelConfig:
+def convert_hf(src: str, dst: str, *, dtype: str = "auto", overwrite: bool = False, progress: bool = True) -> ModelConfig:
     """Converts the HF directory ``src`` into the native directory ``dst`` atomically; returns its config."""
+    from tqdm import tqdm
+
     if dtype not in DTYPES:
         raise MiniCPMError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     config = ModelConfig.from_pretrained(src)
@@ -52,7 +57,9 @@ def convert_hf(src: str, dst: str, *, dtype: str = "auto", overwrite: bool = Fal
     jdtype = _source_dtype(files) if dtype == "auto" else jnp.dtype(dtype)
     with jax.default_device(jax.devices("cpu")[0]):
         model = abstract_model(config, max_length=2, dtype=jdtype)
-        model = fill_model(model, load_hf_params(src, config, jdtype, files))
+        params = load_hf_params(src, config, jdtype, files)
+        total = len(param_sources(config, set(files)))
+        model = fill_model(model, tqdm(params, total=total, desc="reading", unit="param", disable=not progress))
         with atomic_output_dir(dst, overwrite) as tmp:
             save_native(model, tmp)
             copy_side_files(src, tmp)

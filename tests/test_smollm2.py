@@ -67,3 +67,18 @@ def test_chat_template_and_plain_prompt(smollm2_tokenizer):
     text = tok.decode(chat)
     assert "<|im_start|>system\nBe brief.<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
     assert encode_prompt(tok, "hi", use_chat_template=False) == tok("hi")["input_ids"]
+
+
+def test_enable_thinking_reaches_the_chat_template(smollm2_dir):
+    """MiniCPM4.1-style templates branch on enable_thinking; the switch must reach the template."""
+    from minicpm_jax.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n{% endif %}"
+    )
+    off = tok.decode(encode_prompt(tok, "hi", enable_thinking=False))
+    on = tok.decode(encode_prompt(tok, "hi", enable_thinking=True))
+    default = tok.decode(encode_prompt(tok, "hi"))
+    assert off.endswith("<think>\n\n</think>\n") and not on.endswith("</think>\n") and default == on
