@@ -17,6 +17,12 @@ from minicpm_jax.errors import MiniCPMError
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 
 
+def check_destination(dst: str, overwrite: bool) -> None:
+    """Refuses an existing ``dst`` unless ``overwrite`` (call before any expensive work)."""
+    if os.path.exists(dst) and not overwrite:
+        raise MiniCPMError(f"destination {os.path.abspath(dst)} already exists; pass --overwrite to replace it")
+
+
 @contextlib.contextmanager
 def atomic_output_dir(dst: str, overwrite: bool = False) -> Iterator[str]:
     """Yields a temporary directory beside ``dst`` that becomes ``dst`` only if the block succeeds.
@@ -25,8 +31,7 @@ def atomic_output_dir(dst: str, overwrite: bool = False) -> Iterator[str]:
     removes its temporary directory. An existing ``dst`` is refused unless ``overwrite``.
     """
     dst = os.path.abspath(dst)
-    if os.path.exists(dst) and not overwrite:
-        raise MiniCPMError(f"destination {dst} already exists; pass --overwrite to replace it")
+    check_destination(dst, overwrite)
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=parent)

@@ -10,7 +10,9 @@ import os
 
 import numpy as np
 
-from checkpoints_convert.common import DEFAULT_SHARD_BYTES, ShardedSafetensorsWriter, atomic_output_dir, write_json
+from checkpoints_convert.common import (
+    DEFAULT_SHARD_BYTES, ShardedSafetensorsWriter, atomic_output_dir, check_destination, write_json,
+)
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.errors import MiniCPMError
 
@@ -139,6 +141,7 @@ def convert_gguf(
 
     if dtype not in DTYPES:
         raise MiniCPMError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_destination(dst, overwrite)
     reader = open_gguf(src)
     cfg = gguf_config(reader)
     np_dtype = DTYPES[dtype]

@@ -8,7 +8,7 @@ import shutil
 import jax
 import jax.numpy as jnp
 
-from checkpoints_convert.common import atomic_output_dir
+from checkpoints_convert.common import atomic_output_dir, check_destination
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.weights import (
@@ -51,6 +51,7 @@ def convert_hf(src: str, dst: str, *, dtype: str = "auto", overwrite: bool = Fal
 
     if dtype not in DTYPES:
         raise MiniCPMError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_destination(dst, overwrite)
     config = ModelConfig.from_pretrained(src)
     files = safetensors_files(src)
     config = resolve_tied_head(config, set(files))
