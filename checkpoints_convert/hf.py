@@ -12,7 +12,7 @@ from checkpoints_convert.common import atomic_output_dir, check_destination
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.weights import (
-    NATIVE_PARAMS_DIR, abstract_model, fill_model, load_hf_params, param_sources, resolve_tied_head, save_native,
+    abstract_model, fill_model, load_hf_params, param_sources, resolve_tied_head, save_native,
     safetensors_files,
 )
 
@@ -34,15 +34,12 @@ def _source_dtype(files: dict[str, str]):
     return {"BF16": jnp.bfloat16, "F16": jnp.float16}.get(best, jnp.float32)
 
 
-def copy_side_files(src: str, dst: str) -> list[str]:
+def copy_side_files(src: str, dst: str) -> None:
     """Copies tokenizer, chat template and generation config files (everything but weights/config)."""
-    copied = []
     for name in sorted(os.listdir(src)):
         full = os.path.join(src, name)
         if os.path.isfile(full) and not name.endswith(".safetensors") and name not in _WEIGHT_FILES:
             shutil.copy2(full, os.path.join(dst, name))
-            copied.append(name)
-    return copied
 
 
 def convert_hf(src: str, dst: str, *, dtype: str = "auto", overwrite: bool = False, progress: bool = True) -> ModelConfig:
@@ -64,6 +61,4 @@ def convert_hf(src: str, dst: str, *, dtype: str = "auto", overwrite: bool = Fal
         with atomic_output_dir(dst, overwrite) as tmp:
             save_native(model, tmp)
             copy_side_files(src, tmp)
-            if not os.path.isdir(os.path.join(tmp, NATIVE_PARAMS_DIR)):
-                raise MiniCPMError("the Orbax writer produced no params directory")
     return config

@@ -44,13 +44,11 @@ def inspect(path: str) -> dict:
         raise MiniCPMError(f"{path!r} does not exist")
     if os.path.isfile(path) and path.endswith(".gguf"):
         raw, tensors = _gguf_tensors(path)
-        fmt = "gguf"
+        config, fmt = ModelConfig.from_dict(raw), "gguf"
     else:
-        cfg_obj = ModelConfig.from_pretrained(path)  # validates / raises clear errors
+        config = ModelConfig.from_pretrained(path)  # validates / raises clear errors
         fmt = "native" if is_native(path) else "hf-safetensors"
         tensors = native_metadata(path) if fmt == "native" else _hf_tensors(path)
-        raw = cfg_obj.to_hf_dict()
-    config = ModelConfig.from_dict(raw)
     count = int(sum(np.prod(shape) for shape, _ in tensors.values()))
     dtypes: dict[str, int] = {}
     for _, dt in tensors.values():

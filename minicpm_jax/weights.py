@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import json
 import os
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -260,6 +260,8 @@ def native_metadata(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
         raise MiniCPMError(f"{path}/{NATIVE_PARAMS_DIR} is not a readable Orbax checkpoint: {e}") from None
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
+    if not isinstance(tree, Mapping) or not tree:  # an emptied directory reads as no metadata
+        raise MiniCPMError(f"{path}/{NATIVE_PARAMS_DIR} is not a readable Orbax checkpoint (no parameter metadata)")
     return {name: (tuple(m.shape), jnp.dtype(m.dtype).name) for name, m in tree.items()}
 
 

@@ -176,3 +176,30 @@ def test_gguf_tokenizer_without_torch_says_how_to_fix(monkeypatch, tmp_path):
     monkeypatch.setattr(gguf, "_torch_installed", lambda: False)  # never patch importlib: transformers caches it
     with pytest.raises(MiniCPMError, match="needs PyTorch.*pip install torch"):
         gguf._save_tokenizer(str(tmp_path / "m.gguf"), str(tmp_path))
+
+
+def test_damaged_native_checkpoints_are_named(tiny_ckpt, tmp_path):
+    import shutil
+
+    from checkpoints_convert.hf import convert_hf
+
+    dst = str(tmp_path / "native")
+    convert_hf(tiny_ckpt[0], dst, progress=False)
+    # A config that no longer matches the stored parameters: every mis-shaped one is listed before reading.
+    cfg_path = os.path.join(dst, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    with open(cfg_path, "w") as f:
+        json.dump(dict(cfg, intermediate_size=80, num_hidden_layers=2), f)
+    with pytest.raises(MiniCPMError) as e:
+        load_model(dst)
+    msg = str(e.value)
+    assert "parameter model.layers.0.mlp.gate_up_proj.kernel has shape [64, 192], expected [64, 160]" in msg
+    assert "unexpected parameter model.layers.2.mlp.down_proj.kernel" in msg
+    # An Orbax directory whose contents are gone.
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    shutil.rmtree(os.path.join(dst, "params"))
+    os.mkdir(os.path.join(dst, "params"))
+    with pytest.raises(MiniCPMError, match="params is not a readable Orbax checkpoint"):
+        load_model(dst)
