@@ -1,8 +1,9 @@
 """GQA self-attention with RoPE over the static KV cache.
 
 The attention op is chosen by one setting, ``attention_impl``: ``xla`` is the plain-jnp reference (the
-oracle for every kernel, and the fallback where kernels are unsupported). Kernels registered in
-``ATTENTION_IMPLS`` share the reference's signature.
+oracle for every kernel, and the fallback where kernels are unsupported), ``pallas`` the kernels of
+``pallas_kernels.attention``, ``auto`` the kernels on a GPU and the reference elsewhere. All share the
+reference's signature.
 """
 
 from __future__ import annotations
@@ -18,41 +19,41 @@ from minicpm_jax.config import ModelConfig
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.layers import Linear
 from minicpm_jax.rope import apply_rope, rope_frequencies
+from pallas_kernels.attention import MAX_DECODE_QUERIES, attention_reference, decode_attention, prefill_attention
 
 
-def attention_xla(
-    q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array, *, scale: float
+
+def attention_pallas(
+    q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array, *,
+    scale: float, layer: int | None = None,
 ) -> jax.Array:
-    """Causal GQA attention of a chunk of queries against a cache (plain-jnp reference).
-
-    q:           ``[B, T, num_heads, head_dim]``; query head ``h`` reads KV head ``h // (num_heads/num_kv_heads)``.
-    k, v:        ``[B, num_kv_heads, S, head_dim]`` (the chunk's own keys already written).
-    q_positions: ``int32[B, T]`` absolute position of each query; key ``s`` is visible iff
-                 ``s <= q_positions`` and ``s < kv_lengths``.
-    kv_lengths:  ``int32[B]`` valid cache length after the chunk was written.
-    Returns ``[B, T, num_heads, head_dim]`` in q.dtype; softmax in fp32.
-    """
-    b, t, h, d = q.shape
-    kvh, s = k.shape[1], k.shape[2]
-    qg = q.reshape(b, t, kvh, h // kvh, d)
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    key_pos = jnp.arange(s, dtype=jnp.int32)
-    visible = (key_pos[None, None, :] <= q_positions[:, :, None]) & (key_pos[None, None, :] < kv_lengths[:, None, None])
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(visible[:, None, None], probs, 0.0)  # rows with nothing visible give 0, not NaN
-    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, d).astype(q.dtype)
+    """The Pallas kernels: flash-decoding for up to 16 query tokens per sequence (decode, tree
+    verification), flash attention for longer chunks (prefill). Signature of ``attention_reference``."""
+    kernel = decode_attention if q.shape[1] <= MAX_DECODE_QUERIES else prefill_attention
+    return kernel(q, k, v, q_positions, kv_lengths, scale=scale, layer=layer)
 
 
 AttentionFn = Callable[..., jax.Array]
-ATTENTION_IMPLS: dict[str, AttentionFn] = {"xla": attention_xla}
+ATTENTION_IMPLS: dict[str, AttentionFn] = {"xla": attention_reference, "pallas": attention_pallas}
+ATTENTION_CHOICES = ("auto", "xla", "pallas")
+
+
+def resolve_attention_impl(name: str, head_dim: int) -> str:
+    """``auto`` → ``pallas`` on a GPU when the kernels support ``head_dim`` (a power of 2 ≥ 16), else
+    ``xla``; other names are checked and returned."""
+    if name == "auto":
+        supported = jax.default_backend() == "gpu" and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+        return "pallas" if supported else "xla"
+    get_attention_impl(name)
+    if name == "pallas" and (head_dim < 16 or head_dim & (head_dim - 1)):
+        raise MiniCPMError(f"attention_impl 'pallas' needs a power-of-2 head_dim >= 16, this model has {head_dim} (use xla)")
+    return name
 
 
 def get_attention_impl(name: str) -> AttentionFn:
     """The attention op registered under ``name``; MiniCPMError for unknown names."""
     if name not in ATTENTION_IMPLS:
-        raise MiniCPMError(f"attention_impl {name!r} is not available (choose from {', '.join(sorted(ATTENTION_IMPLS))})")
+        raise MiniCPMError(f"attention_impl {name!r} is not available (choose from {', '.join(ATTENTION_CHOICES)})")
     return ATTENTION_IMPLS[name]
 
 
@@ -86,5 +87,6 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions, inv_freq, rope_scale)
         cache = cache.write(self.layer, k, v, positions, valid)
         attend = get_attention_impl(self.attention_impl)
-        out = attend(q, cache.k[self.layer], cache.v[self.layer], positions, kv_lengths, scale=d**-0.5)
+        # The stacked cache goes in whole: kernels read this layer's slice in place.
+        out = attend(q, cache.k, cache.v, positions, kv_lengths, scale=d**-0.5, layer=self.layer)
         return self.o_proj(out.reshape(b, t, nq)), cache

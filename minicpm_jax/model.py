@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from minicpm_jax.attention import Attention, get_attention_impl
+from minicpm_jax.attention import Attention, resolve_attention_impl
 from minicpm_jax.cache import KVCache
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.layers import MLP, Embed, Linear, RMSNorm
@@ -55,7 +55,8 @@ class MiniCPMForCausalLM(nnx.Module):
     Args:
       config: the model's hyper-parameters.
       max_length: static cache length the model will run with (LongRoPE picks its factors from it).
-      attention_impl: ``"xla"`` (reference) or a registered kernel name.
+      attention_impl: ``"auto"`` (Pallas kernels on a GPU, else the reference), ``"xla"`` (plain-jnp
+        reference) or ``"pallas"``.
       dtype: weight and activation dtype (bf16 on GPU; fp32 for exact tests).
       rngs: random initialisation; None gives zeros (weights about to be loaded by ``weights.load_model``).
     """
@@ -65,12 +66,13 @@ class MiniCPMForCausalLM(nnx.Module):
         config: ModelConfig,
         *,
         max_length: int = 4096,
-        attention_impl: str = "xla",
+        attention_impl: str = "auto",
         dtype=jnp.float32,
         rngs: nnx.Rngs | None = None,
     ):
-        get_attention_impl(attention_impl)  # fail early on an unknown name
+        attention_impl = resolve_attention_impl(attention_impl, config.head_dim)
         self.config = config
+        self.attention_impl = attention_impl
         self.max_length = max_length
         self.dtype = jnp.dtype(dtype)
         self.model = MiniCPMModel(config, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype)

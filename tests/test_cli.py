@@ -113,3 +113,21 @@ def test_missing_prompt_file(tmp_path):
 def test_prompt_longer_than_context(smollm2_dir):
     r = _run("--prompt_text", "word " * 300, "--max_length", "128")
     _assert_one_line_error(r, "max_length is 128")
+
+
+@pytest.mark.smollm2
+def test_pallas_attention_flag_gives_the_xla_tokens(smollm2_dir):
+    """--attention_impl pallas (interpret mode on the CPU) answers token for token like the reference."""
+    outs = {}
+    for impl in ("pallas", "xla"):
+        r = _run("--prompt_text", "What is the capital of France?", "--num_generate", "8", "--max_length", "256",
+                 "--chunk_length", "64", "--attention_impl", impl, "--json_output")
+        assert r.returncode == 0, r.stderr
+        outs[impl] = json.loads(r.stdout)
+        assert outs[impl]["attention_impl"] == impl
+    assert outs["pallas"]["token_ids"] == outs["xla"]["token_ids"]
+    assert "Paris" in outs["pallas"]["text"]
+
+
+def test_bad_attention_impl():
+    _assert_one_line_error(_run("--attention_impl", "cuda"), "attention_impl")

@@ -1,4 +1,8 @@
-"""GPU checks (run on the device with ``pytest -m gpu``): the GPU model against the same model on the CPU."""
+"""GPU checks (run on the device with ``pytest -m gpu``): the GPU model (Pallas attention, the default
+there) against the same model on the CPU (reference attention), and the kernels at MiniCPM4-8B attention
+shapes and long contexts against the reference on the GPU."""
+
+import functools
 
 import numpy as np
 import jax
@@ -8,6 +12,7 @@ import pytest
 from minicpm_jax.cache import KVCache
 from minicpm_jax.engine import Engine
 from minicpm_jax.weights import load_model
+from pallas_kernels.attention import attention_reference, decode_attention, prefill_attention
 from tests import helpers
 
 pytestmark = pytest.mark.gpu
@@ -17,9 +22,14 @@ def _cpu():
     return jax.devices("cpu")[0]
 
 
+def _impl(device) -> str:
+    return "xla" if device.platform == "cpu" else "pallas"
+
+
 def _logits(path, ids, dtype, device):
     with jax.default_device(device):
-        model = load_model(path, dtype=dtype, max_length=128)
+        model = load_model(path, dtype=dtype, max_length=128, attention_impl=_impl(device))
+        assert model.attention_impl == _impl(device)
         cache = KVCache.create(model.config, 1, 128, dtype)
         logits, _, _ = jax.jit(lambda m, c, x: m(x, c))(model, cache, jnp.asarray([ids], jnp.int32))
         return np.asarray(logits[0])
@@ -39,6 +49,35 @@ def test_gpu_greedy_generation_matches_cpu(tiny_ckpt):
     out = {}
     for name, device in (("cpu", _cpu()), ("gpu", jax.devices("gpu")[0])):
         with jax.default_device(device):
-            engine = Engine(load_model(tiny_ckpt[0], dtype=jnp.float32, max_length=128), batch_size=3, chunk_length=16)
+            model = load_model(tiny_ckpt[0], dtype=jnp.float32, max_length=128, attention_impl=_impl(device))
+            engine = Engine(model, batch_size=3, chunk_length=16)
             out[name] = [r.token_ids for r in engine.generate(prompts, max_new_tokens=24)[0]]
     assert out["gpu"] == out["cpu"]
+
+
+def test_gpu_auto_attention_is_pallas(tiny_ckpt):
+    assert load_model(tiny_ckpt[0], dtype=jnp.bfloat16, max_length=128).attention_impl == "pallas"
+
+
+def _long_context_check(kernel, t, offsets, valid, s, seed):
+    """MiniCPM4-8B attention shape (32 q heads, 2 kv heads, head_dim 128), bf16, stacked 2-layer cache."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(keys[0], (len(offsets), t, 32, 128), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (2, len(offsets), 2, s, 128), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (2, len(offsets), 2, s, 128), jnp.bfloat16)
+    offsets = jnp.asarray(offsets, jnp.int32)
+    positions = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    lengths = offsets + jnp.asarray(valid, jnp.int32)
+    out = jax.jit(functools.partial(kernel, scale=128**-0.5, layer=1))(q, k, v, positions, lengths)
+    f32 = lambda x: x.astype(jnp.float32)
+    ref = jax.jit(functools.partial(attention_reference, scale=128**-0.5, layer=1))(f32(q), f32(k), f32(v), positions, lengths)
+    assert helpers.rel_err(np.asarray(out, np.float32), np.asarray(ref)) < 1e-2
+
+
+def test_gpu_prefill_kernel_at_8k():
+    _long_context_check(prefill_attention, 2048, [6144, 1000], [2048, 1500], 8192, 0)
+
+
+def test_gpu_decode_kernel_at_32k_and_tree_queries():
+    _long_context_check(decode_attention, 1, [32767, 12], [1, 1], 32768, 1)
+    _long_context_check(decode_attention, 16, [30000, 4000], [16, 11], 32768, 2)

@@ -1,0 +1,207 @@
+"""Pallas attention kernels against the jnp reference (interpret mode on CPU, Triton on a GPU), their CUDA
+lowering without a GPU, and the model with ``attention_impl="pallas"`` against ``"xla"``."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from minicpm_jax.cache import KVCache
+from minicpm_jax.config import ModelConfig
+from minicpm_jax.engine import Engine
+from minicpm_jax.model import MiniCPMForCausalLM
+from pallas_kernels.attention import attention_reference, decode_attention, prefill_attention
+from pallas_kernels.backend import TUNED, KernelConfig
+from tests.helpers import tiny_minicpm_config
+
+SMALL = KernelConfig(block_q=16, block_k=16, num_warps=4, num_stages=2)
+
+
+def _inputs(seed, b, t, h, kvh, s, d, dtype, layers=None):
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
+    cache_shape = (b, kvh, s, d) if layers is None else (layers, b, kvh, s, d)
+    return (jax.random.normal(kq, (b, t, h, d), jnp.float32).astype(dtype),
+            jax.random.normal(kk, cache_shape, jnp.float32).astype(dtype),
+            jax.random.normal(kv, cache_shape, jnp.float32).astype(dtype))
+
+
+def _rel_err(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all()
+    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+def _check(kernel, dtype, seed, b, t, h, kvh, s, d, offsets, valid, layer=None, **kw):
+    """Kernel vs the fp32 reference on upcast inputs; rows whose queries see no key must be exact zeros."""
+    layers = None if layer is None else layer + 2
+    q, k, v = _inputs(seed, b, t, h, kvh, s, d, dtype, layers)
+    offsets, valid = jnp.asarray(offsets, jnp.int32), jnp.asarray(valid, jnp.int32)
+    positions = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    kv_lengths = offsets + valid
+    scale = d**-0.5
+    out = jax.jit(functools.partial(kernel, scale=scale, layer=layer, **kw))(q, k, v, positions, kv_lengths)
+    up = lambda x: x.astype(jnp.float32)
+    ref = attention_reference(up(q), up(k), up(v), positions, kv_lengths, scale=scale, layer=layer)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    tol = 1e-5 if dtype == jnp.float32 else 1.5e-2
+    assert _rel_err(out, ref) < tol
+    sees_nothing = np.asarray((kv_lengths[:, None] == 0) | (positions < 0))
+    assert np.all(np.asarray(out, np.float32)[sees_nothing] == 0.0)
+
+
+# (b, t, h, kvh, s, d, offsets, valid tokens of the chunk)
+PREFILL_CASES = [
+    (1, 48, 4, 4, 96, 16, [0], [48]),                  # GQA 1, chunk of the prompt from 0, T not a block multiple
+    (2, 32, 8, 2, 160, 32, [37, 100], [32, 19]),       # GQA 4, chunk offsets, padded last chunk in row 1
+    (1, 40, 16, 1, 128, 16, [53], [33]),               # GQA 16, odd offset and valid length
+    (3, 16, 4, 1, 64, 64, [0, 31, 48], [16, 5, 16]),   # head_dim 64, three rows at different offsets
+    (1, 32, 2, 1, 80, 128, [17], [32]),                # head_dim 128
+    (2, 24, 4, 2, 64, 16, [0, 0], [0, 24]),            # row 0: empty cache (queries see nothing)
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
+def test_prefill_kernel_matches_reference(case, dtype):
+    _check(prefill_attention, dtype, case, *PREFILL_CASES[case], config=SMALL)
+
+
+# (b, t, h, kvh, s, d, offsets, valid, num_splits)
+DECODE_CASES = [
+    (1, 1, 4, 4, 200, 16, [120], [1], 3),              # GQA 1, plain decode
+    (2, 1, 16, 4, 256, 32, [77, 200], [1, 1], 5),      # GQA 4, rows at different lengths, more splits than blocks
+    (1, 4, 16, 1, 300, 16, [251], [4], 4),             # GQA 16, 4 query tokens (tree verification), 64 rows
+    (2, 16, 4, 1, 128, 64, [3, 90], [16, 9], 2),       # 16 query tokens, head_dim 64, padded tokens in row 1
+    (1, 3, 6, 2, 96, 128, [40], [3], 1),               # head_dim 128, group of 3 (rows padded to 16), one split
+    (2, 1, 8, 2, 64, 16, [0, 10], [0, 1], 4),          # row 0: empty cache
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", range(len(DECODE_CASES)))
+def test_decode_kernel_matches_reference(case, dtype):
+    *shape, splits = DECODE_CASES[case]
+    _check(decode_attention, dtype, 100 + case, *shape, config=SMALL, num_splits=splits)
+
+
+@pytest.mark.parametrize("kernel", [prefill_attention, decode_attention], ids=["prefill", "decode"])
+def test_kernels_read_one_layer_of_the_stacked_cache(kernel):
+    t = 20 if kernel is prefill_attention else 2
+    _check(kernel, jnp.float32, 7, 2, t, 8, 2, 96, 32, [11, 60], [t, t - 1], layer=1, config=SMALL)
+
+
+@pytest.mark.parametrize("kernel,d", [(prefill_attention, 64), (decode_attention, 128)], ids=["prefill", "decode"])
+def test_kernels_with_the_tuned_launch_table(kernel, d):
+    """The measured configs (larger blocks than the grid above) on a cache that is not a block multiple."""
+    t = 40 if kernel is prefill_attention else 1
+    _check(kernel, jnp.bfloat16, 9, 1, t, 8, 2, 300, d, [231], [t])
+
+
+def test_decode_kernel_ignores_cache_past_the_valid_length():
+    """NaN garbage past kv_lengths (stale slots) must not leak into the output: those keys are never read."""
+    q, k, v = _inputs(3, 1, 1, 8, 2, 128, 32, jnp.float32)
+    k = k.at[:, :, 50:].set(jnp.nan)
+    v = v.at[:, :, 50:].set(jnp.nan)
+    positions, lengths = jnp.array([[49]], jnp.int32), jnp.array([50], jnp.int32)
+    for kernel in (decode_attention, prefill_attention):
+        out = kernel(q, k, v, positions, lengths, scale=0.2, config=SMALL)
+        ref = attention_reference(q, k[:, :, :50], v[:, :, :50], positions, lengths, scale=0.2)
+        assert _rel_err(out, ref) < 1e-5
+
+
+def test_kernels_reject_unsupported_shapes():
+    q, k, v = _inputs(0, 1, 17, 4, 2, 64, 24, jnp.float32)
+    pos, lengths = jnp.zeros((1, 17), jnp.int32), jnp.ones((1,), jnp.int32)
+    with pytest.raises(ValueError, match="power-of-2 head_dim"):
+        prefill_attention(q, k, v, pos, lengths, scale=1.0)
+    q, k, v = _inputs(0, 1, 17, 4, 2, 64, 32, jnp.float32)
+    with pytest.raises(ValueError, match="at most 16 query tokens"):
+        decode_attention(q, k, v, pos, lengths, scale=1.0)
+    with pytest.raises(ValueError, match="stacked"):
+        decode_attention(q[:, :1], k, v, pos[:, :1], lengths, scale=1.0, layer=0)
+
+
+def _abstract_gpu_mesh():
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    return AbstractMesh((1,), ("x",), abstract_device=device)
+
+
+@pytest.mark.parametrize("kernel,t", [(prefill_attention, 512), (prefill_attention, 40), (decode_attention, 1),
+                                      (decode_attention, 16)], ids=["prefill512", "prefill40", "decode1", "decode16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_kernels_lower_for_cuda_without_a_gpu(kernel, t, d):
+    """Triton lowering (power-of-2 loads, supported primitives) checked under an abstract H100."""
+    try:
+        mesh = _abstract_gpu_mesh()
+    except (ImportError, TypeError) as e:  # pragma: no cover - older jax
+        pytest.skip(f"this jax cannot trace for an abstract GPU: {e}")
+    spec = jax.ShapeDtypeStruct
+    args = (spec((2, t, 32, d), jnp.bfloat16), spec((4, 2, 2, 1000, d), jnp.bfloat16),
+            spec((4, 2, 2, 1000, d), jnp.bfloat16), spec((2, t), jnp.int32), spec((2,), jnp.int32))
+    fn = functools.partial(kernel, scale=0.1, layer=3, interpret=False)
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "__gpu$xla.gpu.triton" in text
+    assert ("minicpm_prefill_attention" if kernel is prefill_attention else "minicpm_decode_attention") in text
+
+
+def test_tuned_table_covers_both_kernels():
+    assert {k for k, _ in TUNED} == {"prefill", "decode"}
+    for cfg in TUNED.values():
+        assert cfg.block_k & (cfg.block_k - 1) == 0 and cfg.block_q & (cfg.block_q - 1) == 0
+
+
+def _tiny_models(dtype):
+    """(xla model in fp32, pallas model in ``dtype``) with the same ``dtype``-rounded weights.
+
+    The oracle runs in fp32 because XLA:CPU has no bf16 x bf16 -> fp32 batched dot."""
+    config = ModelConfig.from_dict(tiny_minicpm_config())
+    pallas = MiniCPMForCausalLM(config, max_length=96, attention_impl="pallas", dtype=dtype, rngs=nnx.Rngs(3))
+    xla = MiniCPMForCausalLM(config, max_length=96, attention_impl="xla", dtype=jnp.float32)
+    nnx.update(xla, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(pallas)))
+    return [xla, pallas]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_model_logits_pallas_equal_xla(dtype):
+    """Chunked prefill (prefill kernel, 2 rows at different lengths) then decode steps (decode kernel)."""
+    models = _tiny_models(dtype)
+    assert [m.attention_impl for m in models] == ["xla", "pallas"]
+    rng = np.random.default_rng(0)
+    chunks = [jnp.asarray(rng.integers(0, models[0].config.vocab_size, (2, 32)), jnp.int32) for _ in range(2)]
+    steps = [jnp.asarray(rng.integers(0, models[0].config.vocab_size, (2, 1)), jnp.int32) for _ in range(3)]
+    logits = []
+    for model in models:
+        cache = KVCache.create(model.config, 2, 96, model.dtype)
+        fwd = jax.jit(lambda m, tok, c, n: m(tok, c, n)[::2])
+        outs = []
+        for i, chunk in enumerate(chunks):
+            lg, cache = fwd(model, chunk, cache, jnp.array([32, 32 if i == 0 else 21], jnp.int32))
+            outs.append(lg)
+        for tok in steps:
+            lg, cache = fwd(model, tok, cache, jnp.ones((2,), jnp.int32))
+            outs.append(lg)
+        logits.append(outs)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for ref, out in zip(*logits):
+        assert _rel_err(out, ref) < tol
+
+
+def test_engine_greedy_generation_pallas_equals_xla():
+    models = _tiny_models(jnp.float32)
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(0, models[0].config.vocab_size, n)) for n in (45, 7, 20)]
+    outputs = []
+    for model in models:
+        engine = Engine(model, batch_size=3, chunk_length=32, decode_block=4)
+        results, _ = engine.generate(prompts, max_new_tokens=12)
+        outputs.append([r.token_ids for r in results])
+    assert outputs[0] == outputs[1]
