@@ -1,24 +1,36 @@
-"""Benchmarks: ``python -m minicpm_jax.bench --shape minicpm4-8b --contexts 1024,4096``.
+"""Benchmarks: ``python -m minicpm_jax.bench --scenarios kernels,e2e --shape minicpm4-8b``.
 
-End-to-end rows run the real engine (chunked prefill, on-device decode loop) on a named model shape with
-random weights, and compare each number with a roofline measured in the same run:
+Every number is printed next to the ceiling it is measured against, taken in the same run: a
+device-to-device copy (memory-bound rows) or a large bf16 matmul (compute-bound rows).
 
-* decode ms/token vs the weight-bytes roofline: bytes every decode step must read (all weights but the
-  embedding table, which is gathered one row per token) ÷ the device-to-device copy bandwidth measured
-  here (read + write bytes per second);
-* prefill tok/s vs the matmul roofline: 2·params FLOPs per token ÷ a large bf16 matmul's FLOP/s.
+Scenarios (``--scenarios``, comma-separated):
 
-``--scenarios load`` times ``load_model`` of a random-weight checkpoint of the shape written both as HF
-safetensors and in the native Orbax format (``checkpoints_convert hf``) under ``--scratch_dir``.
+* ``kernels`` — attention micro-benchmarks at the shape's attention dims (bf16, batch 1): causal prefill
+  of a whole prompt (``--prefill_contexts``; TFLOP/s vs the matmul) and one-token decode against a cache
+  (``--decode_contexts``; GB/s of the K/V bytes that must be read vs the copy bandwidth), for the Pallas
+  kernels, the plain-XLA reference and cuDNN (``jax.nn.dot_product_attention(implementation="cudnn")``).
+  Kernels are timed as many calls inside one jit (µs-scale), two timed repeats after a warm-up.
+* ``e2e`` — the real engine (chunked prefill, on-device decode loop) on the named shape with random
+  weights, per ``--attention_impls`` and ``--contexts``: decode ms/token vs (weights + valid K/V bytes) /
+  copy bandwidth, prefill tok/s vs FLOPs per token (2 per matmul weight plus causal attention,
+  2·layers·heads·head_dim·(context+1) on average) / matmul FLOP/s. All contexts share one
+  static cache (``--max_length``), so rows show how cost follows the actual context.
+* ``load`` — ``load_model`` of the shape's random weights from HF safetensors vs the native format.
 
-Prints a markdown table last and writes everything as JSON (``--json_out``).
+``--peer hf`` first runs HF transformers (PyTorch, same GPU, same shape, random weights; see
+``bench_hf``) on the e2e contexts, in a subprocess before JAX takes the GPU, and adds its rows and our
+ratio to it. Writes JSON (``--json_out``) and markdown (``--markdown_out``); prints the markdown last;
+``--plot out.png`` draws decode ms/token against context (needs matplotlib; ``--plot_from`` re-plots a
+saved JSON without a GPU).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -31,6 +43,8 @@ from minicpm_jax.config import ModelConfig
 from minicpm_jax.engine import Engine
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model import MiniCPMForCausalLM
+from pallas_kernels.attention import attention_reference, decode_attention, decode_attention_splits, prefill_attention
+from pallas_kernels.timing import device_loop_time
 
 SHAPES = {
     "minicpm4-8b": dict(
@@ -53,10 +67,14 @@ SHAPES = {
 }
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("scenarios", ["e2e"], "Which benchmarks: e2e (prefill + decode), load (HF vs native).")
+SCENARIOS = ("e2e", "kernels", "load")
+flags.DEFINE_list("scenarios", ["e2e"], "Which benchmarks: e2e (prefill + decode), kernels (attention), load.")
 flags.DEFINE_enum("shape", "minicpm4-8b", list(SHAPES), "Model shape (random weights).")
 flags.DEFINE_string("scratch_dir", "/tmp/minicpm_jax_bench", "Where the load scenario writes its checkpoints.")
-flags.DEFINE_list("contexts", ["1024"], "Context lengths (prompt tokens before decoding).")
+flags.DEFINE_list("contexts", ["1024"], "e2e: context lengths (prompt tokens before decoding).")
+flags.DEFINE_list("attention_impls", ["auto"], "e2e: attention paths to run (auto, pallas, xla), one row each.")
+flags.DEFINE_list("prefill_contexts", ["2048", "8192", "32768"], "kernels: causal prompt lengths.")
+flags.DEFINE_list("decode_contexts", ["1024", "8192", "32768", "131072"], "kernels: cache lengths for decode.")
 flags.DEFINE_integer("batch_size", 1, "Sequences decoded together.")
 flags.DEFINE_integer("decode_steps", 128, "Tokens decoded per timed run.")
 flags.DEFINE_integer("decode_block", 32, "Decode steps per host round trip.")
@@ -64,7 +82,13 @@ flags.DEFINE_integer("chunk_length", 1024, "Prefill chunk length.")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Weight/activation dtype.")
 flags.DEFINE_integer("repeats", 2, "Timed repeats per row (all are reported, to show the spread).")
 flags.DEFINE_integer("max_length", None, "Static cache length (default: largest context + decode_steps + 8).")
+flags.DEFINE_enum("peer", "none", ["none", "hf"], "Also run this peer on the e2e rows (hf: transformers on the GPU).")
+flags.DEFINE_list("peer_attn", ["eager", "sdpa"], "HF attn_implementation values to run with --peer hf.")
+flags.DEFINE_integer("peer_decode_steps", 32, "Tokens the HF peer decodes per timed run.")
 flags.DEFINE_string("json_out", None, "Write all results as JSON here.")
+flags.DEFINE_string("markdown_out", None, "Write the markdown tables here.")
+flags.DEFINE_string("plot", None, "Draw decode ms/token vs context (e2e rows, kernels' decode rows) to this PNG.")
+flags.DEFINE_string("plot_from", None, "Only re-draw --plot from this saved --json_out file (no benchmarks run).")
 flags.DEFINE_string("dump_hlo", None, "Write the optimized HLO of the decode block to this file.")
 
 
@@ -107,16 +131,25 @@ def decode_weight_bytes(config: ModelConfig, itemsize: int) -> int:
     return params * itemsize
 
 
-def random_model(config: ModelConfig, max_length: int, dtype) -> MiniCPMForCausalLM:
-    """Random-weight model created directly on the default device."""
+def prefill_flops_per_token(config: ModelConfig, context: int) -> float:
+    """FLOPs per prompt token of a ``context``-token prefill: the matmuls (2 per weight, the gathered
+    embedding table excluded) plus causal attention (QK^T and PV over the visible keys:
+    4·layers·heads·head_dim·(context+1)/2 on average)."""
+    return 2 * decode_weight_bytes(config, 1) + 2 * config.num_layers * config.num_heads * config.head_dim * (context + 1)
+
+
+def random_model(config: ModelConfig, max_length: int, dtype, attention_impl: str = "auto") -> MiniCPMForCausalLM:
+    """Random-weight model created directly on the default device (the same weights for every impl)."""
     from flax import nnx
 
-    return MiniCPMForCausalLM(config, max_length=max_length, dtype=dtype, rngs=nnx.Rngs(0))
+    return MiniCPMForCausalLM(config, max_length=max_length, dtype=dtype, attention_impl=attention_impl,
+                              rngs=nnx.Rngs(0))
 
 
 @dataclasses.dataclass
 class Row:
     shape: str
+    attention_impl: str
     context: int
     batch_size: int
     max_length: int
@@ -136,12 +169,14 @@ class Row:
 
 def bench_end_to_end(shape: str, contexts: list[int], batch_size: int, decode_steps: int, decode_block: int,
                      chunk_length: int, dtype, repeats: int, bandwidth: float, flops: float,
-                     max_length: int | None = None, dump_hlo: str | None = None) -> list[Row]:
+                     max_length: int | None = None, dump_hlo: str | None = None,
+                     attention_impl: str = "auto") -> list[Row]:
     config = ModelConfig.from_dict(SHAPES[shape])
     max_length = max_length or max(contexts) + decode_steps + 8
     if max_length < max(contexts) + decode_steps:
         raise MiniCPMError(f"--max_length {max_length} is too small for context {max(contexts)} + {decode_steps} steps")
-    model = random_model(config, max_length, dtype)
+    model = random_model(config, max_length, dtype, attention_impl)
+    impl = model.attention_impl
     engine = Engine(model, batch_size=batch_size, chunk_length=min(chunk_length, max_length), decode_block=decode_block)
     itemsize = jnp.dtype(dtype).itemsize
     wbytes = decode_weight_bytes(config, itemsize)
@@ -163,11 +198,144 @@ def bench_end_to_end(shape: str, contexts: list[int], batch_size: int, decode_st
         # The least KV a step must read is the valid context (the xla path reads all max_length slots).
         kv_bytes = 2 * config.num_layers * batch_size * config.num_kv_heads * ctx * config.head_dim * itemsize
         roofline_ms = 1e3 * (wbytes + kv_bytes) / bandwidth
-        prefill_roof = flops / (2 * config.num_params)
-        rows.append(Row(shape, ctx, batch_size, max_length, pre, dec, roofline_ms, prefill_roof))
-        print(f"  {shape} ctx={ctx}: decode {dec} ms/token (roofline {roofline_ms:.3f} ms), prefill {pre} tok/s",
+        prefill_roof = flops / prefill_flops_per_token(config, ctx)
+        rows.append(Row(shape, impl, ctx, batch_size, max_length, pre, dec, roofline_ms, prefill_roof))
+        print(f"  {shape} {impl} ctx={ctx}: decode {dec} ms/token (roofline {roofline_ms:.3f} ms), prefill {pre} tok/s",
               file=sys.stderr)
     return rows
+
+
+# ------------------------------------------------------------------------------------ attention kernels
+L2_BYTES = 50 * 1024**2  # H100 L2; decode rows cycle through enough layers of cache to stream past it
+
+
+def _attention_inputs(config: ModelConfig, t: int, s: int, layers: int, dtype, seed: int):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(keys[0], (1, t, config.num_heads, config.head_dim), jnp.float32).astype(dtype)
+    shape = (layers, 1, config.num_kv_heads, s, config.head_dim)
+    k = jax.random.normal(keys[1], shape, jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], shape, jnp.float32).astype(dtype)
+    return q, k, v
+
+
+def _cudnn_attention(q, k_bshd, v_bshd, lengths, *, causal: bool):
+    return jax.nn.dot_product_attention(q, k_bshd, v_bshd, is_causal=causal, key_value_seq_lengths=lengths,
+                                        implementation="cudnn")
+
+
+def _time_impls(impls: dict, args_for: dict, iters: int, repeats: int) -> dict:
+    """{name: seconds per call (runs)} or {name: "error ..."} for each implementation."""
+    out = {}
+    for name, fn in impls.items():
+        try:
+            out[name] = device_loop_time(fn, args_for[name], iters=iters, repeats=repeats)
+        except Exception as e:  # e.g. cuDNN without a kernel for this shape, or the S^2 reference out of memory
+            out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        print(f"    {name}: {out[name]}", file=sys.stderr, flush=True)
+    return out
+
+
+def bench_prefill_kernel(config: ModelConfig, ctx: int, dtype, repeats: int) -> dict:
+    """Causal attention over a whole ``ctx``-token prompt (one chunk at offset 0)."""
+    q, k, v = _attention_inputs(config, ctx, ctx, 1, dtype, seed=ctx)
+    positions = jnp.arange(ctx, dtype=jnp.int32)[None]
+    lengths = jnp.array([ctx], jnp.int32)
+    scale = config.head_dim**-0.5
+    bshd = lambda x: x[0].transpose(0, 2, 1, 3)  # cuDNN's [B, S, KVH, D] layout
+    impls = {
+        "pallas": lambda q_, k_, v_, p_, l_: prefill_attention(q_, k_, v_, p_, l_, scale=scale, layer=0),
+        "xla": lambda q_, k_, v_, p_, l_: attention_reference(q_, k_, v_, p_, l_, scale=scale, layer=0),
+        "cudnn": lambda q_, k_, v_, l_: _cudnn_attention(q_, k_, v_, l_, causal=True),
+    }
+    args = {"pallas": (q, k, v, positions, lengths), "xla": (q, k, v, positions, lengths),
+            "cudnn": (q, bshd(k), bshd(v), lengths)}
+    flop = 4 * config.num_heads * config.head_dim * ctx * (ctx + 1) / 2  # QK^T and PV over visible pairs
+    iters = max(2, min(50, int(2e13 // flop)))
+    print(f"  prefill attention ctx={ctx} ({iters} calls per timing)", file=sys.stderr, flush=True)
+    return {"context": ctx, "flop": flop, "seconds": _time_impls(impls, args, iters, repeats)}
+
+
+def bench_decode_kernel(config: ModelConfig, ctx: int, dtype, repeats: int) -> dict:
+    """One query token per sequence against ``ctx`` cached keys; successive calls read different layers'
+    caches so the K/V bytes come from HBM, not L2."""
+    itemsize = jnp.dtype(dtype).itemsize
+    kv_bytes = 2 * config.num_kv_heads * ctx * config.head_dim * itemsize  # per layer, K and V
+    layers = max(1, min(32, -(-4 * L2_BYTES // kv_bytes)))
+    q, k, v = _attention_inputs(config, 1, ctx, layers, dtype, seed=ctx)
+    positions = jnp.array([[ctx - 1]], jnp.int32)
+    lengths = jnp.array([ctx], jnp.int32)
+    scale = config.head_dim**-0.5
+
+    def every_layer(kernel):
+        def run(q_, k_, v_, p_, l_):
+            return [kernel(q_, k_, v_, p_, l_, scale=scale, layer=i) for i in range(layers)]
+        return run
+
+    def cudnn_every_layer(q_, k_, v_, l_):
+        return [_cudnn_attention(q_, k_[i], v_[i], l_, causal=False) for i in range(layers)]
+
+    bshd = lambda x: x[:, 0].transpose(0, 2, 1, 3)[:, None]  # [layers, 1, S, KVH, D]
+    impls = {"pallas": every_layer(decode_attention), "pallas_splits": every_layer(decode_attention_splits),
+             "xla": every_layer(attention_reference), "cudnn": cudnn_every_layer}
+    args = {"pallas": (q, k, v, positions, lengths), "pallas_splits": (q, k, v, positions, lengths),
+            "xla": (q, k, v, positions, lengths), "cudnn": (q, bshd(k), bshd(v), lengths)}
+    iters = max(5, min(200, int(2e10 // (kv_bytes * layers))))
+    print(f"  decode attention ctx={ctx} ({layers} layers x {iters} calls per timing)", file=sys.stderr, flush=True)
+    seconds = _time_impls(impls, args, iters, repeats)
+    per_call = {n: [t / layers for t in ts] if isinstance(ts, list) else ts for n, ts in seconds.items()}
+    return {"context": ctx, "bytes": kv_bytes, "layers": layers, "seconds": per_call}
+
+
+def bench_kernels(shape: str, prefill_contexts: list[int], decode_contexts: list[int], dtype, repeats: int) -> dict:
+    config = ModelConfig.from_dict(SHAPES[shape])
+    return {
+        "heads": [config.num_heads, config.num_kv_heads, config.head_dim],
+        "dtype": jnp.dtype(dtype).name,
+        "prefill": [bench_prefill_kernel(config, c, dtype, repeats) for c in prefill_contexts],
+        "decode": [bench_decode_kernel(config, c, dtype, repeats) for c in decode_contexts],
+    }
+
+
+def _cell(times, to_rate) -> str:
+    if not isinstance(times, list):
+        return "n/a"
+    return f"{to_rate(statistics.median(times)):,.0f} ({', '.join(f'{to_rate(t):,.0f}' for t in times)})"
+
+
+def kernels_markdown(r: dict, bandwidth: float, flops: float) -> str:
+    h, kvh, d = r["heads"]
+    lines = [
+        f"Attention kernels, {h} q heads / {kvh} kv heads / head_dim {d}, {r['dtype']}, batch 1. Ceilings measured in this "
+        f"run: bf16 matmul {flops / 1e12:.0f} TFLOP/s, copy {bandwidth / 1e12:.2f} TB/s.",
+        "",
+        "| causal prefill | Pallas TFLOP/s (runs) | % of matmul | XLA TFLOP/s | cuDNN TFLOP/s | Pallas / cuDNN |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in r["prefill"]:
+        sec, tf = row["seconds"], lambda t, f=row["flop"]: f / t / 1e12
+        pct = f"{100 * tf(statistics.median(sec['pallas'])) * 1e12 / flops:.0f}%" if isinstance(sec["pallas"], list) else "n/a"
+        ratio = (f"{statistics.median(sec['cudnn']) / statistics.median(sec['pallas']):.2f}x"
+                 if isinstance(sec["pallas"], list) and isinstance(sec["cudnn"], list) else "n/a")
+        lines.append(f"| {row['context']} | {_cell(sec['pallas'], tf)} | {pct} | {_cell(sec['xla'], tf)} | "
+                     f"{_cell(sec['cudnn'], tf)} | {ratio} |")
+    lines += [
+        "",
+        "| decode, 1 token | K/V MB read | Pallas µs (runs) | Pallas GB/s | % of copy | kernel w/o merge µs | XLA µs | cuDNN µs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    us = lambda t: 1e6 * t
+    for row in r["decode"]:
+        sec = row["seconds"]
+        if isinstance(sec["pallas"], list):
+            gbs = row["bytes"] / statistics.median(sec["pallas"])
+            rate, pct = f"{gbs / 1e9:,.0f}", f"{100 * gbs / bandwidth:.0f}%"
+        else:
+            rate = pct = "n/a"
+        fmt = lambda ts: (f"{us(statistics.median(ts)):.1f} ({', '.join(f'{us(t):.1f}' for t in ts)})"
+                          if isinstance(ts, list) else "n/a")
+        lines.append(f"| {row['context']} | {row['bytes'] / 1e6:.1f} | {fmt(sec['pallas'])} | {rate} | {pct} | "
+                     f"{fmt(sec['pallas_splits'])} | {fmt(sec['xla'])} | {fmt(sec['cudnn'])} |")
+    return "\n".join(lines)
 
 
 def write_random_hf_checkpoint(shape: str, path: str, dtype=jnp.bfloat16, shard_bytes: int = 4 * 1024**3) -> int:
@@ -227,20 +395,101 @@ def load_markdown(r: dict) -> str:
     ])
 
 
-def markdown(rows: list[Row], bandwidth: float, flops: float, device: str) -> str:
+def _peer_row(peer: dict | None, attn: str, ctx: int) -> dict | None:
+    for r in (peer or {}).get("rows", []):
+        if r["attn"] == attn and r["context"] == ctx:
+            return r
+    return None
+
+
+def markdown(rows: list[Row], bandwidth: float, flops: float, device: str, peer: dict | None = None) -> str:
+    attns = sorted({r["attn"] for r in (peer or {}).get("rows", [])})
+    head = "| shape | attention | batch | context | max_length | decode ms/token (runs) | roofline ms | % of roofline | prefill tok/s (runs) | % of matmul roofline |"
+    sep = "|---|---|---|---|---|---|---|---|---|---|"
+    for a in attns:
+        head += f" HF {a} decode ms/token | ours vs HF {a} decode | HF {a} prefill tok/s |"
+        sep += "---|---|---|"
     lines = [
         f"device: {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; bf16 matmul {flops / 1e12:.0f} TFLOP/s",
         "",
-        "| shape | batch | context | max_length | decode ms/token (runs) | roofline ms | % of roofline | prefill tok/s (runs) | % of matmul roofline |",
-        "|---|---|---|---|---|---|---|---|---|",
+        head,
+        sep,
     ]
     for r in rows:
         runs = ", ".join(f"{x:.3f}" for x in r.decode_ms_per_token)
         pre = ", ".join(f"{x:,.0f}" for x in r.prefill_tok_s)
         pct_pre = 100 * statistics.median(r.prefill_tok_s) / r.prefill_roofline_tok_s
-        lines.append(f"| {r.shape} | {r.batch_size} | {r.context} | {r.max_length} | {r.decode_ms:.3f} ({runs}) | {r.roofline_ms:.3f} | "
-                     f"{r.pct_roofline:.1f}% | {pre} | {pct_pre:.1f}% |")
+        line = (f"| {r.shape} | {r.attention_impl} | {r.batch_size} | {r.context} | {r.max_length} | {r.decode_ms:.3f} ({runs}) | "
+                f"{r.roofline_ms:.3f} | {r.pct_roofline:.1f}% | {pre} | {pct_pre:.1f}% |")
+        for a in attns:
+            p = _peer_row(peer, a, r.context)
+            if p is None or not p["decode_ms_per_token"]:
+                why = "n/a" if p is None or not p["error"] else ("OOM" if "out of GPU memory" in p["error"] else "error")
+                line += f" {why} | n/a | n/a |"
+            else:
+                hf_ms = statistics.median(p["decode_ms_per_token"])
+                line += f" {hf_ms:.2f} | {hf_ms / r.decode_ms:.1f}x faster | {statistics.median(p['prefill_tok_s']):,.0f} |"
+        lines.append(line)
+    if peer:
+        lines += ["", f"HF peer: transformers {peer['transformers']}, torch {peer['torch']}, LlamaForCausalLM of the same "
+                      f"shape, bf16, batch 1, a bare greedy loop of one-token forwards with its default DynamicCache."]
     return "\n".join(lines)
+
+
+def run_hf_peer(shape: str, contexts: list[int], decode_steps: int, attns: list[str], repeats: int) -> dict:
+    """Runs ``minicpm_jax.bench_hf`` in a subprocess (before this process takes the GPU)."""
+    cmd = [sys.executable, "-m", "minicpm_jax.bench_hf", "--shape", shape, "--contexts", ",".join(map(str, contexts)),
+           "--decode_steps", str(decode_steps), "--attn", ",".join(attns), "--repeats", str(repeats)]
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    print("  running the HF peer: " + " ".join(cmd[1:]), file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, env=env, text=True)
+    if proc.returncode != 0:
+        raise MiniCPMError(f"the HF peer failed (exit {proc.returncode}); its errors are above")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def plot(result: dict, path: str) -> None:
+    """decode ms/token vs context (e2e rows by attention path, HF peer rows) and decode-kernel µs vs context."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MiniCPMError("--plot needs matplotlib (pip install matplotlib)") from None
+    panels = [k for k in ("rows", "kernels") if result.get(k)]
+    if not panels:
+        raise MiniCPMError("nothing to plot: the results have no e2e or kernels rows")
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        if panel == "rows":
+            for impl in sorted({r["attention_impl"] for r in result["rows"]}):
+                rows = sorted((r for r in result["rows"] if r["attention_impl"] == impl), key=lambda r: r["context"])
+                ax.plot([r["context"] for r in rows], [statistics.median(r["decode_ms_per_token"]) for r in rows], "o-",
+                        label=f"minicpm-jax ({impl})")
+            for attn in sorted({r["attn"] for r in result.get("peer", {}).get("rows", [])}):
+                rows = [r for r in result["peer"]["rows"] if r["attn"] == attn and r["decode_ms_per_token"]]
+                ax.plot([r["context"] for r in rows], [statistics.median(r["decode_ms_per_token"]) for r in rows], "s--",
+                        label=f"HF transformers ({attn})")
+            ax.set_title(f"{result['shape']} decode, batch 1")
+            ax.set_ylabel("ms / token")
+            ax.set_yscale("log")
+        else:
+            for impl in ("pallas", "xla", "cudnn"):
+                pts = [(r["context"], 1e6 * statistics.median(r["seconds"][impl])) for r in result["kernels"]["decode"]
+                       if isinstance(r["seconds"].get(impl), list)]
+                if pts:
+                    ax.plot(*zip(*pts), "o-", label=impl)
+            ax.set_title("decode attention kernel (one layer)")
+            ax.set_ylabel("µs / call")
+            ax.set_yscale("log")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context tokens")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(result.get("device", ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv):
@@ -252,34 +501,76 @@ def main(argv):
         sys.exit(2)
 
 
-def _main():
+def _int_list(name: str, values: list[str]) -> list[int]:
     try:
-        contexts = [int(c) for c in FLAGS.contexts]
+        out = [int(v) for v in values]
     except ValueError:
-        raise MiniCPMError(f"--contexts must be integers, got {FLAGS.contexts}") from None
-    unknown = set(FLAGS.scenarios) - {"e2e", "load"}
+        raise MiniCPMError(f"--{name} must be integers, got {','.join(values)}") from None
+    if any(v < 1 for v in out):
+        raise MiniCPMError(f"--{name} must be positive, got {','.join(values)}")
+    return out
+
+
+def _main():
+    if FLAGS.plot_from:
+        if not FLAGS.plot:
+            raise MiniCPMError("--plot_from needs --plot OUT.png")
+        try:
+            with open(FLAGS.plot_from) as f:
+                plot(json.load(f), FLAGS.plot)
+        except (OSError, json.JSONDecodeError) as e:
+            raise MiniCPMError(f"cannot read {FLAGS.plot_from}: {e}") from None
+        print(f"wrote {FLAGS.plot}")
+        return
+    contexts = _int_list("contexts", FLAGS.contexts)
+    unknown = set(FLAGS.scenarios) - set(SCENARIOS)
     if unknown:
-        raise MiniCPMError(f"--scenarios: unknown {', '.join(sorted(unknown))} (choose from e2e, load)")
+        raise MiniCPMError(f"--scenarios: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SCENARIOS)})")
+    bad_impl = set(FLAGS.attention_impls) - {"auto", "xla", "pallas"}
+    if bad_impl:
+        raise MiniCPMError(f"--attention_impls: unknown {', '.join(sorted(bad_impl))} (choose from auto, xla, pallas)")
+    if FLAGS.max_length and "e2e" in FLAGS.scenarios and FLAGS.max_length < max(contexts) + FLAGS.decode_steps:
+        raise MiniCPMError(f"--max_length {FLAGS.max_length} is too small for context {max(contexts)} + "
+                           f"{FLAGS.decode_steps} steps")
+    result: dict = {"shape": FLAGS.shape, "argv": sys.argv[1:]}
+    if FLAGS.peer == "hf":  # before JAX allocates GPU memory
+        result["peer"] = run_hf_peer(FLAGS.shape, contexts, FLAGS.peer_decode_steps, FLAGS.peer_attn, FLAGS.repeats)
     device = jax.devices()[0].device_kind
-    result: dict = {"device": device, "jax": jax.__version__, "shape": FLAGS.shape}
+    result.update(device=device, jax=jax.__version__)
     tables = []
-    if "load" in FLAGS.scenarios:
-        result["load"] = bench_load(FLAGS.shape, FLAGS.scratch_dir, jnp.dtype(FLAGS.dtype), FLAGS.repeats)
-        tables.append(load_markdown(result["load"]))
-    if "e2e" in FLAGS.scenarios:
+    dtype = jnp.dtype(FLAGS.dtype)
+    if {"e2e", "kernels"} & set(FLAGS.scenarios):
         small = jax.default_backend() == "cpu"  # CPU numbers are for smoke runs only
         bandwidth = copy_bandwidth(256 * 1024**2 if small else 2 * 1024**3)
         flops = matmul_flops(1024 if small else 8192)
-        rows = bench_end_to_end(FLAGS.shape, contexts, FLAGS.batch_size, FLAGS.decode_steps, FLAGS.decode_block,
-                                FLAGS.chunk_length, jnp.dtype(FLAGS.dtype), FLAGS.repeats, bandwidth, flops,
-                                FLAGS.max_length, FLAGS.dump_hlo)
-        result.update(copy_bandwidth_Bps=bandwidth, matmul_flops=flops,
-                      rows=[dict(dataclasses.asdict(r), pct_roofline=r.pct_roofline) for r in rows])
-        tables.append(markdown(rows, bandwidth, flops, device))
+        result.update(copy_bandwidth_Bps=bandwidth, matmul_flops=flops)
+    if "load" in FLAGS.scenarios:
+        result["load"] = bench_load(FLAGS.shape, FLAGS.scratch_dir, dtype, FLAGS.repeats)
+        tables.append(load_markdown(result["load"]))
+    if "kernels" in FLAGS.scenarios:
+        result["kernels"] = bench_kernels(FLAGS.shape, _int_list("prefill_contexts", FLAGS.prefill_contexts),
+                                          _int_list("decode_contexts", FLAGS.decode_contexts), dtype, FLAGS.repeats)
+        tables.append(kernels_markdown(result["kernels"], bandwidth, flops))
+    if "e2e" in FLAGS.scenarios:
+        rows = []
+        dump_hlo = FLAGS.dump_hlo
+        for impl in FLAGS.attention_impls:
+            rows += bench_end_to_end(FLAGS.shape, contexts, FLAGS.batch_size, FLAGS.decode_steps, FLAGS.decode_block,
+                                     FLAGS.chunk_length, dtype, FLAGS.repeats, bandwidth, flops, FLAGS.max_length,
+                                     dump_hlo, attention_impl=impl)
+            dump_hlo = None
+        result["rows"] = [dict(dataclasses.asdict(r), pct_roofline=r.pct_roofline) for r in rows]
+        tables.append(markdown(rows, bandwidth, flops, device, result.get("peer")))
+    text = "\n\n".join(tables)
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump(result, f, indent=2)
-    print("\n\n".join(tables))
+    if FLAGS.markdown_out:
+        with open(FLAGS.markdown_out, "w") as f:
+            f.write(text + "\n")
+    if FLAGS.plot:
+        plot(result, FLAGS.plot)
+    print(text)
 
 
 if __name__ == "__main__":
