@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from minicpm_jax.cache import KVCache

@@ -21,20 +21,11 @@ import time
 from absl import app, flags
 
 from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.model_flags import enable_compilation_cache, load_from_flags, validate_model_flags
+from minicpm_jax.tokenizer import TextStream
 
 FLAGS = flags.FLAGS
-_M, _P, _G, _O, _S = "model", "prompt", "generation", "output", "system"
-
-flags.DEFINE_string("model_path", None, "HF model directory or native (converted) directory; omitted: the "
-                    "SmolLM2 demo model.", module_name=_M)
-flags.DEFINE_enum("dtype", "auto", ["auto", "bfloat16", "float16", "float32"],
-                  "Weight/activation dtype; auto = bfloat16 on GPU, float32 on CPU.", module_name=_M)
-flags.DEFINE_enum("attention_impl", "auto", ["auto", "xla", "pallas"],
-                  "Attention op: pallas = Pallas flash kernels (read only the valid cache), xla = plain-jnp "
-                  "reference; auto = pallas on GPU, xla on CPU.", module_name=_M)
-flags.DEFINE_integer("max_length", 2048, "Static KV-cache length: prompt plus generated tokens.", module_name=_M)
-flags.DEFINE_integer("chunk_length", 512, "Prefill chunk length (one compiled shape).", module_name=_M)
-flags.DEFINE_integer("decode_block", 16, "Decode steps per host round trip (streaming granularity).", module_name=_M)
+_P, _G, _O = "prompt", "generation", "output"
 
 flags.DEFINE_string("prompt_text", None, "The prompt.", module_name=_P)
 flags.DEFINE_string("prompt_file", None, "Read the prompt from this file.", module_name=_P)
@@ -60,8 +51,7 @@ flags.DEFINE_boolean("json_output", False, "Print one JSON object (text, token c
                      module_name=_O)
 flags.DEFINE_boolean("interactive", False, "Multi-turn chat on stdin, keeping the KV cache across turns.",
                      module_name=_O)
-flags.DEFINE_boolean("compilation_cache", True, "Persistent JAX compilation cache in $MINICPM_JAX_CACHE/jax_cache.",
-                     module_name=_S)
+
 
 
 # ----------------------------------------------------------------------------- validation
@@ -70,7 +60,8 @@ def _validate() -> None:
     from minicpm_jax.sampling import SamplingParams
 
     SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=FLAGS.seed or 0)
-    for name in ("max_length", "chunk_length", "decode_block", "num_generate"):
+    validate_model_flags()
+    for name in ("num_generate",):
         if getattr(FLAGS, name) < 1:
             raise MiniCPMError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
     if FLAGS.prompt_text is not None and FLAGS.prompt_file is not None:
@@ -95,51 +86,6 @@ def _prompt_text() -> str:
     return FLAGS.prompt_text if FLAGS.prompt_text is not None else "Who are you?"
 
 
-# ----------------------------------------------------------------------------- streaming text
-class TextStream:
-    """Detokenizes new ids, cuts the text at the first --stop string and emits only text that can no
-    longer turn out to be the start of a stop string."""
-
-    def __init__(self, tokenizer, stops: list[str], emit=None):
-        from minicpm_jax.tokenizer import StreamDecoder
-
-        self.decoder = StreamDecoder(tokenizer)
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.text = ""
-        self.emitted = 0
-        self.stopped = False
-        self.emit = emit
-
-    def push(self, ids: list[int]) -> bool:
-        """Adds ids; returns True once a stop string has been seen."""
-        if self.stopped:
-            return True
-        self.text += self.decoder.push(ids)
-        self._check_stop()
-        self._flush(final=self.stopped)
-        return self.stopped
-
-    def finish(self) -> str:
-        if not self.stopped:
-            self.text += self.decoder.flush()
-            self._check_stop()
-        self._flush(final=True)
-        return self.text
-
-    def _check_stop(self) -> None:
-        hits = [i for i in (self.text.find(s, max(0, self.emitted - self.hold)) for s in self.stops) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            self.stopped = True
-
-    def _flush(self, final: bool) -> None:
-        upto = len(self.text) if final or not self.stops else max(self.emitted, len(self.text) - self.hold)
-        if self.emit is not None and upto > self.emitted:
-            self.emit(self.text[self.emitted : upto])
-        self.emitted = max(self.emitted, upto)
-
-
 # ----------------------------------------------------------------------------- output
 def format_stats(stats, plain: bool) -> str:
     rows = [
@@ -160,24 +106,10 @@ class Runner:
     """Loads the model once and serves one-shot or interactive generation."""
 
     def __init__(self):
-        import jax
-        import jax.numpy as jnp
-
-        from minicpm_jax.demo import ensure_demo_model
         from minicpm_jax.engine import Engine
-        from minicpm_jax.tokenizer import load_tokenizer, stop_token_ids
-        from minicpm_jax.weights import load_model
+        from minicpm_jax.tokenizer import stop_token_ids
 
-        quiet = FLAGS.json_output
-        self.model_path = FLAGS.model_path or ensure_demo_model(progress=not quiet)
-        dtype = FLAGS.dtype
-        if dtype == "auto":
-            dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-        t0 = time.perf_counter()
-        model = load_model(self.model_path, dtype=jnp.dtype(dtype), max_length=FLAGS.max_length,
-                           attention_impl=FLAGS.attention_impl)
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.load_time = time.perf_counter() - t0
+        self.model_path, model, self.tokenizer, self.load_time = load_from_flags(progress=not FLAGS.json_output)
         self.engine = Engine(model, batch_size=1, chunk_length=FLAGS.chunk_length, decode_block=FLAGS.decode_block)
         self.stop_ids = [] if FLAGS.ignore_eos else stop_token_ids(model.config, self.tokenizer, self.model_path)
         self.stop_ids += self._single_token_stops(FLAGS.stop)
@@ -274,16 +206,6 @@ class Runner:
             print()
             if FLAGS.stats:
                 print(format_stats(stats, FLAGS.plain_output), file=sys.stderr)
-
-
-def enable_compilation_cache() -> None:
-    """Persistent XLA compilation cache, so a second run starts faster."""
-    import jax
-
-    from minicpm_jax.demo import cache_dir
-
-    jax.config.update("jax_compilation_cache_dir", os.path.join(cache_dir(), "jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
 def main(argv) -> None:

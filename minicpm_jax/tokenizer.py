@@ -104,3 +104,45 @@ class StreamDecoder:
         full = self._decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
         return full[len(prefix) :] if len(full) > len(prefix) else ""
+
+
+class TextStream:
+    """Detokenizes new ids, cuts the text at the first stop string and emits (``emit(text)``) only text
+    that can no longer turn out to be the start of a stop string."""
+
+    def __init__(self, tokenizer, stops: list[str], emit=None):
+        self.decoder = StreamDecoder(tokenizer)
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+        self.emit = emit
+
+    def push(self, ids: list[int]) -> bool:
+        """Adds ids; returns True once a stop string has been seen."""
+        if self.stopped:
+            return True
+        self.text += self.decoder.push(ids)
+        self._check_stop()
+        self._flush(final=self.stopped)
+        return self.stopped
+
+    def finish(self) -> str:
+        if not self.stopped:
+            self.text += self.decoder.flush()
+            self._check_stop()
+        self._flush(final=True)
+        return self.text
+
+    def _check_stop(self) -> None:
+        hits = [i for i in (self.text.find(s, max(0, self.emitted - self.hold)) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    def _flush(self, final: bool) -> None:
+        upto = len(self.text) if final or not self.stops else max(self.emitted, len(self.text) - self.hold)
+        if self.emit is not None and upto > self.emitted:
+            self.emit(self.text[self.emitted : upto])
+        self.emitted = max(self.emitted, upto)

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 
-import jax
 import jax.numpy as jnp
 import pytest
 

@@ -1,0 +1,69 @@
+"""Model-loading flags shared by ``minicpm_jax.run`` and ``minicpm_jax.server`` (the "model" and "system"
+flag groups), and the loader that reads them."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from absl import flags
+
+from minicpm_jax.errors import MiniCPMError
+
+FLAGS = flags.FLAGS
+_M, _S = "model", "system"
+
+flags.DEFINE_string("model_path", None, "HF model directory or native (converted) directory; omitted: the "
+                    "SmolLM2 demo model.", module_name=_M)
+flags.DEFINE_enum("dtype", "auto", ["auto", "bfloat16", "float16", "float32"],
+                  "Weight/activation dtype; auto = bfloat16 on GPU, float32 on CPU.", module_name=_M)
+flags.DEFINE_enum("attention_impl", "auto", ["auto", "xla", "pallas"],
+                  "Attention op: pallas = Pallas flash kernels (read only the valid cache), xla = plain-jnp "
+                  "reference; auto = pallas on GPU, xla on CPU.", module_name=_M)
+flags.DEFINE_integer("max_length", 2048, "Static KV-cache length: prompt plus generated tokens.", module_name=_M)
+flags.DEFINE_integer("chunk_length", 512, "Prefill chunk length (one compiled shape).", module_name=_M)
+flags.DEFINE_integer("decode_block", 16, "Decode steps per host round trip (streaming granularity).", module_name=_M)
+
+
+flags.DEFINE_boolean("compilation_cache", True, "Persistent JAX compilation cache in $MINICPM_JAX_CACHE/jax_cache.",
+                     module_name=_S)
+
+
+def validate_model_flags() -> None:
+    """Checks the model flags before anything heavy happens; raises MiniCPMError."""
+    for name in ("max_length", "chunk_length", "decode_block"):
+        if getattr(FLAGS, name) < 1:
+            raise MiniCPMError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+
+
+def enable_compilation_cache() -> None:
+    """Persistent XLA compilation cache, so a second run starts faster."""
+    import jax
+
+    from minicpm_jax.demo import cache_dir
+
+    jax.config.update("jax_compilation_cache_dir", os.path.join(cache_dir(), "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+def load_from_flags(*, progress: bool = True):
+    """Loads what the model flags name: returns (model_path, model, tokenizer, load seconds).
+
+    Without --model_path the SmolLM2 demo model is prepared (converted once) and used.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from minicpm_jax.demo import ensure_demo_model
+    from minicpm_jax.tokenizer import load_tokenizer
+    from minicpm_jax.weights import load_model
+
+    model_path = FLAGS.model_path or ensure_demo_model(progress=progress)
+    dtype = FLAGS.dtype
+    if dtype == "auto":
+        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    t0 = time.perf_counter()
+    model = load_model(model_path, dtype=jnp.dtype(dtype), max_length=FLAGS.max_length,
+                       attention_impl=FLAGS.attention_impl)
+    tokenizer = load_tokenizer(model_path)
+    return model_path, model, tokenizer, time.perf_counter() - t0
