@@ -74,7 +74,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._ds = engine._initial_state([], [], [])  # every slot starts finished
         engine.reset()
-        self.completed = 0  # requests finished (any reason)
+        self.finished: collections.Counter[str] = collections.Counter()  # requests ended, by finish reason
         self.generated_tokens = 0
 
     # ------------------------------------------------------------------ client side (any thread)
@@ -107,6 +107,11 @@ class Scheduler:
         with self._cv:
             request.cancelled = True
             self._cv.notify()
+
+    @property
+    def completed(self) -> int:
+        """Requests that have ended, whatever the reason."""
+        return sum(self.finished.values())
 
     @property
     def queued(self) -> int:
@@ -163,6 +168,7 @@ class Scheduler:
             while free and self._queue:
                 req = self._queue.popleft()
                 if req.cancelled:
+                    self.finished["cancelled"] += 1
                     req.on_finish("cancelled", None)
                     continue
                 taken.append((free.pop(0), req))
@@ -250,7 +256,7 @@ class Scheduler:
     def _finish(self, slot: int, reason: str, error: str | None = None) -> None:
         req = self.slots[slot]
         self.slots[slot] = None
-        self.completed += 1
+        self.finished[reason] += 1
         try:
             req.on_finish(reason, error)
         except Exception:  # a consumer's failure must not stop the other rows

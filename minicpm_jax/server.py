@@ -203,7 +203,8 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
     @api.get("/health")
     async def health():
         return {"status": "ok", "active": scheduler.active, "queued": scheduler.queued,
-                "completed": scheduler.completed, "generated_tokens": scheduler.generated_tokens}
+                "completed": scheduler.completed, "finished": dict(scheduler.finished),
+                "generated_tokens": scheduler.generated_tokens}
 
     @api.get("/v1/models")
     async def models():

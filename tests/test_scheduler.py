@@ -3,6 +3,7 @@ give alone; stops, cancellation and the queue limit free and guard the slots."""
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import jax.numpy as jnp
@@ -67,6 +68,7 @@ def test_joining_requests_match_solo_generation(tiny_model):
         assert req.output == ids and rec["finish"] == finish and rec["error"] is None
         assert sum(rec["blocks"], []) == ids
     assert sched.completed == len(specs) and sched.active == 0
+    assert sched.finished == collections.Counter(f for _, f in expected)
 
 
 def test_host_stop_cancel_and_queue_limit(tiny_model):
@@ -87,6 +89,7 @@ def test_host_stop_cancel_and_queue_limit(tiny_model):
     assert halted_rec["finish"] == "stop" and 6 <= len(halted.output) < 40
     assert cancelled_rec["finish"] == "cancelled" and len(cancelled.output) < 40
     assert sched.active == 0 and sched.slots == [None, None]
+    assert sched.finished == collections.Counter({"stop": 1, "cancelled": 1})
     with pytest.raises(MiniCPMError, match="context"):
         sched.submit(_request(list(range(96)), 5)[0])
 

@@ -142,6 +142,7 @@ def test_concurrent_streaming_clients_match_one_at_a_time(client, server):
             for _ in r.iter_lines():
                 break  # the client goes away after the first event
 
+    cancelled_before = httpx.get(server.url + "/health").json()["finished"].get("cancelled", 0)
     with concurrent.futures.ThreadPoolExecutor(33) as pool:
         t = time.perf_counter()
         killer = pool.submit(kill_mid_stream)
@@ -154,11 +155,12 @@ def test_concurrent_streaming_clients_match_one_at_a_time(client, server):
     print(f"\n32 streaming requests ({tokens} tokens): one at a time {serial_s:.1f} s ({32 / serial_s:.2f} req/s, "
           f"{tokens / serial_s:.1f} tok/s); concurrent {parallel_s:.1f} s ({32 / parallel_s:.2f} req/s, "
           f"{tokens / parallel_s:.1f} tok/s); speed-up {serial_s / parallel_s:.1f}x")
-    # The killed stream's slot is freed: the server goes idle.
+    # The killed stream was cancelled (not run to its 200 tokens) and the server goes idle.
     deadline = time.time() + 60
     while httpx.get(server.url + "/health").json()["active"] and time.time() < deadline:
         time.sleep(0.2)
-    assert httpx.get(server.url + "/health").json()["active"] == 0
+    health = httpx.get(server.url + "/health").json()
+    assert health["active"] == 0 and health["finished"]["cancelled"] == cancelled_before + 1
 
 
 def _post(server, body, *, path="/v1/chat/completions", key=KEY, raw=None, headers=None):
