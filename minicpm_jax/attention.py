@@ -18,7 +18,13 @@ from minicpm_jax.config import ModelConfig
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.layers import Linear
 from minicpm_jax.rope import apply_rope, rope_frequencies
-from pallas_kernels.attention import MAX_DECODE_QUERIES, attention_reference, decode_attention, prefill_attention
+from pallas_kernels.attention import (
+    MAX_DECODE_QUERIES,
+    attention_reference,
+    decode_attention,
+    kernels_support,
+    prefill_attention,
+)
 
 
 
@@ -41,10 +47,9 @@ def resolve_attention_impl(name: str, head_dim: int) -> str:
     """``auto`` → ``pallas`` on a GPU when the kernels support ``head_dim`` (a power of 2 ≥ 16), else
     ``xla``; other names are checked and returned."""
     if name == "auto":
-        supported = jax.default_backend() == "gpu" and head_dim >= 16 and head_dim & (head_dim - 1) == 0
-        return "pallas" if supported else "xla"
+        return "pallas" if jax.default_backend() == "gpu" and kernels_support(head_dim) else "xla"
     get_attention_impl(name)
-    if name == "pallas" and (head_dim < 16 or head_dim & (head_dim - 1)):
+    if name == "pallas" and not kernels_support(head_dim):
         raise MiniCPMError(f"attention_impl 'pallas' needs a power-of-2 head_dim >= 16, this model has {head_dim} (use xla)")
     return name
 

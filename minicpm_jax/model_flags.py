@@ -4,6 +4,7 @@ flag groups), and the loader that reads them."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 from absl import flags
@@ -27,6 +28,12 @@ flags.DEFINE_integer("decode_block", 16, "Decode steps per host round trip (stre
 
 flags.DEFINE_boolean("compilation_cache", True, "Persistent JAX compilation cache in $MINICPM_JAX_CACHE/jax_cache.",
                      module_name=_S)
+
+
+def fail(message: str) -> None:
+    """Ends a command-line program with a one-line error (no traceback) and exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def validate_model_flags() -> None:

@@ -21,7 +21,7 @@ import time
 from absl import app, flags
 
 from minicpm_jax.errors import MiniCPMError
-from minicpm_jax.model_flags import enable_compilation_cache, load_from_flags, validate_model_flags
+from minicpm_jax.model_flags import enable_compilation_cache, fail, load_from_flags, validate_model_flags
 from minicpm_jax.tokenizer import TextStream
 
 FLAGS = flags.FLAGS
@@ -213,7 +213,7 @@ def main(argv) -> None:
 
     logging.set_verbosity(logging.WARNING)  # no INFO chatter from jax's backend discovery
     if len(argv) > 1:
-        _fail(f"unexpected arguments {' '.join(argv[1:])!r}; put the prompt in --prompt_text")
+        fail(f"unexpected arguments {' '.join(argv[1:])!r}; put the prompt in --prompt_text")
     try:
         _validate()
         if FLAGS.compilation_cache:
@@ -221,14 +221,9 @@ def main(argv) -> None:
         runner = Runner()
         runner.interactive() if FLAGS.interactive else runner.one_shot()
     except MiniCPMError as e:
-        _fail(str(e))
+        fail(str(e))
     except KeyboardInterrupt:
-        _fail("interrupted")
-
-
-def _fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+        fail("interrupted")
 
 
 def run() -> None:

@@ -191,20 +191,8 @@ class Scheduler:
         args = (ds, logits, m, eng.cache.lengths)
         self._ds = eng._executable("first", None, *args)(*args)
         tok, done, finish = jax.device_get((self._ds.tok, self._ds.done, self._ds.finish))
-        stop_rows = []
-        for slot, req in taken:
-            req.output.append(int(tok[slot]))
-            self.generated_tokens += 1
-            halt = self._push(req, [int(tok[slot])])
-            if req.cancelled:
-                stop_rows.append(slot)
-                self._finish(slot, "cancelled")
-            elif done[slot]:
-                self._finish(slot, FINISH_NAMES.get(int(finish[slot]), "stop"))
-            elif halt:
-                stop_rows.append(slot)
-                self._finish(slot, "stop")
-        self._mark_done(stop_rows)
+        self._mark_done([slot for slot, req in taken
+                         if self._deliver(slot, req, [int(tok[slot])], bool(done[slot]), int(finish[slot]))])
 
     def _drop_cancelled(self) -> None:
         gone = [slot for slot, req in enumerate(self.slots) if req is not None and req.cancelled]
@@ -216,34 +204,32 @@ class Scheduler:
         eng = self.engine
         eng.cache, self._ds, block = eng._decode(eng.state, eng.cache, self._ds)
         block, done, finish = jax.device_get((block, self._ds.done, self._ds.finish))
-        stop_rows = []
-        for slot, req in enumerate(self.slots):
-            if req is None:
-                continue
-            toks = [int(t) for t in block[slot] if t >= 0]
-            halt = False
-            if toks and not req.cancelled:
-                req.output.extend(toks)
-                self.generated_tokens += len(toks)
-                halt = self._push(req, toks)
-            if req.cancelled:
-                stop_rows.append(slot)
-                self._finish(slot, "cancelled")
-            elif done[slot]:
-                self._finish(slot, FINISH_NAMES.get(int(finish[slot]), "stop"))
-            elif halt:
-                stop_rows.append(slot)
-                self._finish(slot, "stop")
-        self._mark_done(stop_rows)
+        self._mark_done([slot for slot, req in enumerate(self.slots) if req is not None and self._deliver(
+            slot, req, [int(t) for t in block[slot] if t >= 0], bool(done[slot]), int(finish[slot]))])
 
-    def _push(self, req: Request, toks: list[int]) -> bool:
-        """Hands new tokens to the consumer; a failing consumer cancels its own request only."""
-        try:
-            return bool(req.on_tokens(toks))
-        except Exception:
-            log.exception("on_tokens callback failed; cancelling that request")
-            req.cancelled = True
+    def _deliver(self, slot: int, req: Request, toks: list[int], device_done: bool, finish: int) -> bool:
+        """Hands a row's new tokens to its consumer and ends the request if it is over. Returns True when
+        the host ended it (cancelled, or the consumer asked to stop), so the row is marked done on device.
+
+        A failing consumer cancels its own request only."""
+        halt = False
+        if toks and not req.cancelled:
+            req.output.extend(toks)
+            self.generated_tokens += len(toks)
+            try:
+                halt = bool(req.on_tokens(toks))
+            except Exception:
+                log.exception("on_tokens callback failed; cancelling that request")
+                req.cancelled = True
+        if req.cancelled:
+            self._finish(slot, "cancelled")
             return True
+        if device_done:
+            self._finish(slot, FINISH_NAMES.get(finish, "stop"))
+            return False
+        if halt:
+            self._finish(slot, "stop")
+        return halt
 
     def _mark_done(self, slots: list[int]) -> None:
         """Marks rows finished on device (host-side stops), so later blocks skip them."""

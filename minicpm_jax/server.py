@@ -23,7 +23,7 @@ from fastapi import Request as HTTPRequest  # module level: FastAPI resolves the
 from pydantic import BaseModel, ConfigDict, Field
 
 from minicpm_jax.errors import MiniCPMError
-from minicpm_jax.model_flags import enable_compilation_cache, load_from_flags, validate_model_flags
+from minicpm_jax.model_flags import enable_compilation_cache, fail, load_from_flags, validate_model_flags
 
 FLAGS = flags.FLAGS
 _H = "server"
@@ -335,11 +335,11 @@ def main(argv) -> None:
 
     logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
-        _fail(f"unexpected arguments {' '.join(argv[1:])!r}")
+        fail(f"unexpected arguments {' '.join(argv[1:])!r}")
     try:
         _serve()
     except MiniCPMError as e:
-        _fail(str(e))
+        fail(str(e))
     except KeyboardInterrupt:
         pass
 
@@ -393,11 +393,6 @@ def _warm_up(scheduler, tokenizer, stops: list[int]) -> None:
         scheduler.step()
     if done[0]:
         raise MiniCPMError(f"warm-up generation failed: {done[0]}")
-
-
-def _fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
 
 
 def run() -> None:

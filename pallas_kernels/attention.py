@@ -64,6 +64,11 @@ def _layer_view(k: jax.Array, layer: int | None) -> tuple[jax.Array, int]:
     return k, layer
 
 
+def kernels_support(head_dim: int) -> bool:
+    """Whether the kernels take this head_dim (a power of 2, at least 16: Triton's dot minimum)."""
+    return is_power_of_2(head_dim) and head_dim >= 16
+
+
 def _check_shapes(q, k, v, q_positions, kv_lengths):
     """Validates q against the stacked ``[L, B, KVH, S, D]`` k and v."""
     b, t, h, d = q.shape
@@ -71,7 +76,7 @@ def _check_shapes(q, k, v, q_positions, kv_lengths):
         raise ValueError(f"incompatible q {q.shape} and k/v {k.shape}/{v.shape}")
     if q_positions.shape != (b, t) or kv_lengths.shape != (b,):
         raise ValueError(f"q_positions must be [{b}, {t}] and kv_lengths [{b}], got {q_positions.shape}, {kv_lengths.shape}")
-    if not is_power_of_2(d) or d < 16:
+    if not kernels_support(d):
         raise ValueError(f"the Pallas attention kernels need a power-of-2 head_dim >= 16, got {d}")
     if k.shape[3] < 16:
         raise ValueError(f"the Pallas attention kernels need a cache of at least 16 slots, got {k.shape[3]}")

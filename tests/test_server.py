@@ -6,7 +6,6 @@ schemathesis fuzz run."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import socket
 import subprocess
