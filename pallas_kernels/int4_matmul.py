@@ -1,0 +1,334 @@
+"""W4A16 matmul ``y = x @ dequant(W)``: a jnp reference and a Pallas dequant-GEMM with its signature.
+
+Weights are unsigned 4-bit codes with per-group scales (and optional zero points), ``w = s·(q − z)``,
+``z = 8`` when ``zeros`` is None (symmetric GPTQ, Marlin's ``uint4b8``). Two in-memory layouts
+(see ``minicpm_jax/int4.py``):
+
+* ``kpacked`` — GPTQ-native ``qweight int32 [K/8, N]``, 8 consecutive input rows per word.
+* ``marlin`` — ``int32 [K/16, 2N]``, 16×64 tiles in mma-fragment order; ``scales``/``zeros`` columns
+  in the kernel's tile order (:func:`minicpm_jax.int4.marlin_col_order`).
+
+The kernel unpacks a ``[block_k, block_n]`` tile in registers with shifts and masks (one block of input
+rows always lies inside one scale group), and
+
+* for one activation row (batch-1 decode) multiplies elementwise and reduces over K — a GEMV with the
+  K dimension split over programs (split-K) so even a 4096×4096 matrix fills the GPU; the partial sums
+  are reduced by XLA together with the output permutation;
+* for 2 to ``MAX_KERNEL_ROWS`` rows (batched decode, tree verification) runs ``jnp.dot`` on the
+  dequantized tile with fp32 accumulation, rows padded to a multiple of 16; more rows (prefill chunks)
+  go to the reference (one dequantization, then the XLA GEMM).
+
+Scales are applied once per group to the partial sum: ``Σ x·s·(q − z) = s·(Σ x·q − z·Σ x)``.
+
+Shared signature::
+
+    f(x, qweight, scales, zeros=None, perm=None, *, group_size, layout="kpacked") -> y
+
+x ``[..., K]``; scales/zeros ``[K/group_size, N]``; perm ``int32 [K]`` or None (act-order: ``x[...,
+perm]`` is what multiplies the stored rows); y ``[..., N]`` in x.dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.backend import KernelConfig, launch_options, next_power_of_2, num_cores
+
+LAYOUTS = ("kpacked", "marlin")
+SYM_ZERO = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Config:
+    """Launch parameters: block_m rows (dot path), block_n columns, block_k input rows per step."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Starting points (GemLite-like GEMV tiles; 16..64-row dot tiles); see BENCHMARKS.md for the sweep.
+GEMV_CONFIG = Int4Config(block_m=1, block_n=128, block_k=128, num_warps=4, num_stages=2)
+DOT_CONFIGS = {
+    16: Int4Config(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=3),
+    32: Int4Config(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=3),
+    64: Int4Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
+    128: Int4Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+}
+
+
+# Above this many rows (prefill chunks) dequantizing the whole weight once and running the XLA (cuBLAS)
+# GEMM beats re-dequantizing every weight tile for each block of rows (BENCHMARKS.md, prefill rows).
+MAX_KERNEL_ROWS = 256
+
+
+def _shape_kn(qweight: jax.Array, layout: str) -> tuple[int, int]:
+    if layout == "kpacked":
+        return qweight.shape[0] * 8, qweight.shape[1]
+    if layout == "marlin":
+        return qweight.shape[0] * 16, qweight.shape[1] // 2
+    raise ValueError(f"unknown int4 layout {layout!r}; expected one of {LAYOUTS}")
+
+
+def _unpack_codes(words: jax.Array, layout: str) -> jax.Array:
+    """Codes of a word tile → ``int32 [BK, BN]`` in the kernel's row/column order.
+
+    kpacked: words ``[BK/8, BN]``; row ``p·BK/8 + r`` holds input row ``8r + p`` of the tile.
+    marlin: words ``[BK/16, 2·BN]``; rows per 16 as (i, h, t), columns per 64 as (b, l, j).
+    """
+    shifts = jnp.arange(0, 32, 4, dtype=jnp.int32)
+    nib = (words[None, :, :] >> shifts[:, None, None]) & 0xF  # [8, rows, cols]
+    if layout == "kpacked":
+        return nib.reshape(8 * words.shape[0], words.shape[1])
+    kt, n = words.shape[0], words.shape[1] // 2
+    tiles = nib.reshape(2, 2, 2, kt, n // 64, 8, 4, 4)  # i, b, h, kt, c, l, t, j
+    return tiles.transpose(3, 0, 2, 6, 4, 1, 5, 7).reshape(16 * kt, n)
+
+
+@functools.cache
+def _marlin_row_order(k: int) -> np.ndarray:
+    """Input row held by each position of the Marlin code order (rows per 16 as (i, h, t))."""
+    kt, i, h, t = np.meshgrid(np.arange(k // 16), np.arange(2), np.arange(2), np.arange(4), indexing="ij")
+    return (16 * kt + 8 * h + 2 * t + i).reshape(-1)
+
+
+@functools.cache
+def _col_position(n: int, layout: str) -> np.ndarray | None:
+    """Position in the kernel's column order of each output column (None: natural order)."""
+    if layout == "kpacked":
+        return None
+    c, b, l, j = np.meshgrid(np.arange(n // 64), np.arange(2), np.arange(8), np.arange(4), indexing="ij")
+    return np.argsort((64 * c + 16 * j + 8 * b + l).reshape(-1))
+
+
+def dequantize(qweight, scales, zeros=None, *, group_size: int, layout: str = "kpacked", dtype=jnp.float32):
+    """``[K, N]`` weights in natural row and column order (rows in stored order, before ``perm``)."""
+    k, n = _shape_kn(qweight, layout)
+    q = _unpack_codes(qweight.astype(jnp.int32), layout)
+    if layout == "kpacked":
+        q = q.reshape(8, k // 8, n).transpose(1, 0, 2).reshape(k, n)
+    else:
+        q = jnp.zeros_like(q).at[_marlin_row_order(k)].set(q)
+    groups = jnp.arange(k) // group_size
+    z = SYM_ZERO if zeros is None else zeros.astype(jnp.float32)[groups]
+    w = (q.astype(jnp.float32) - z) * scales.astype(jnp.float32)[groups]
+    pos = _col_position(n, layout)
+    return (w if pos is None else w[:, pos]).astype(dtype)
+
+
+def int4_matmul_reference(x, qweight, scales, zeros=None, perm=None, *, group_size: int, layout: str = "kpacked"):
+    """``x [..., K] @ dequant(W) → [..., N]`` in plain jnp (fp32 accumulation; the model's xla path)."""
+    if perm is not None:
+        x = jnp.take(x, perm, axis=-1)
+    w = dequantize(qweight, scales, zeros, group_size=group_size, layout=layout, dtype=x.dtype)
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision).astype(x.dtype)
+
+
+def _codes_to_f32(q: jax.Array) -> jax.Array:
+    """int32 codes in [0, 16) → float32, without the slow int→float conversion instruction: OR the code
+    into the mantissa of 2²³ (exactly 2²³ + q) and subtract 2²³ (exact)."""
+    return lax.bitcast_convert_type(q | 0x4B000000, jnp.float32) - 8388608.0
+
+
+def _kpacked_x(x: jax.Array) -> jax.Array:
+    """Activations ``[..., BK]`` in natural row order → the kpacked code order (row ``8r + p`` at
+    position ``p·BK/8 + r``): a transpose of a small tile in registers, so no gather runs outside."""
+    lead, bk = x.shape[:-1], x.shape[-1]
+    x = x.reshape(*lead, bk // 8, 8)
+    x = x.T if not lead else x.transpose(0, 2, 1)
+    return x.reshape(*lead, bk)
+
+
+def _kpacked_scaled_codes(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """kpacked words ``[R, BN]`` → (``q·2^e`` as float32 ``[8R, BN]`` in code order, ``2^-e`` per row ``[8R]``).
+
+    Nibble p is masked in place (no shift for p ≤ 4; shifted down to bit 16 for p > 4) and OR-ed into the
+    mantissa of 2²³, so each code costs one AND-OR and one subtraction; the power of two ``2^e`` is
+    folded into x instead (exact)."""
+    p = lax.broadcasted_iota(jnp.int32, (8, 1, 1), 0)
+    shift = jnp.maximum(4 * p - 16, 0)
+    e = 4 * p - shift  # 0, 4, 8, 12, 16, 16, 16, 16: q·2^e < 2^20 stays inside the mantissa
+    masked = (words[None, :, :] >> shift) & (0xF << e)
+    qf = lax.bitcast_convert_type(masked | 0x4B000000, jnp.float32) - 8388608.0
+    rows = words.shape[0]
+    inv = jnp.broadcast_to(jnp.exp2(-e.astype(jnp.float32)).reshape(8, 1), (8, rows)).reshape(8 * rows)
+    return qf.reshape(8 * rows, words.shape[1]), inv
+
+
+GEMV_SCALED_CODES = True  # the AND-OR unpacking of _kpacked_scaled_codes (see BENCHMARKS.md)
+
+
+def _chunk_dot(x_ref, words, s0, chunk: int, layout: str, gemv: bool) -> tuple[jax.Array, jax.Array]:
+    """``(Σ_k x·q [rows, BN], Σ_k x [rows, 1])`` in fp32 over input rows ``[s0, s0 + chunk)``."""
+    if gemv:
+        x = x_ref[0, pl.ds(s0, chunk)].astype(jnp.float32)
+        if layout == "kpacked":
+            x = _kpacked_x(x)
+            if GEMV_SCALED_CODES:
+                q, inv = _kpacked_scaled_codes(words)
+                return jnp.sum(q * (x * inv)[:, None], axis=0, keepdims=True), jnp.sum(x).reshape(1, 1)
+        q = _codes_to_f32(_unpack_codes(words, layout))  # rows in the layout's code order
+        return jnp.sum(q * x[:, None], axis=0, keepdims=True), jnp.sum(x).reshape(1, 1)
+    q = _codes_to_f32(_unpack_codes(words, layout))
+    x = x_ref[:, pl.ds(s0, chunk)]
+    if layout == "kpacked":
+        x = _kpacked_x(x)
+    if x.dtype == jnp.float32:  # exact tests
+        dot = jnp.dot(x, q, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+    else:
+        dot = jnp.dot(x, q.astype(x.dtype), preferred_element_type=jnp.float32)
+    return dot, jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True)
+
+
+def _kernel(x_ref, w_ref, s_ref, *rest, chunk, chunks, steps, group_size, layout, gemv, has_zeros):
+    """One program: rows ``block_m`` × columns ``block_n`` × one K split of ``steps`` blocks, each block
+    ``chunks`` sub-blocks of ``chunk`` input rows inside one scale group (all weight loads of a block are
+    issued before any use, so several are in flight)."""
+    z_ref, o_ref = rest if has_zeros else (None, rest[0])
+    split = pl.program_id(2)
+    block_k = chunk * chunks
+    per_word = 8 if layout == "kpacked" else 16  # input rows per row of packed words
+
+    def step(i, acc):
+        k0 = pl.multiple_of((split * steps + i) * block_k, block_k)
+        starts = [k0 + j * chunk for j in range(chunks)]
+        words = [w_ref[pl.ds(pl.multiple_of(s0 // per_word, chunk // per_word), chunk // per_word), :]
+                 for s0 in starts]
+        for s0, w in zip(starts, words):
+            dot, xsum = _chunk_dot(x_ref, w, s0, chunk, layout, gemv)
+            g = s0 // group_size
+            s = s_ref[pl.ds(g, 1), :].astype(jnp.float32)  # [1, BN]
+            z = z_ref[pl.ds(g, 1), :].astype(jnp.float32) if has_zeros else SYM_ZERO
+            acc = acc + s * (dot - z * xsum)
+        return acc
+
+    rows = 1 if gemv else x_ref.shape[0]
+    acc = lax.fori_loop(0, steps, step, jnp.zeros((rows, o_ref.shape[-1]), jnp.float32))
+    o_ref[...] = acc
+
+
+def _largest_divisor(n: int, limit: int, multiple_of: int = 1) -> int:
+    best = multiple_of
+    for d in range(multiple_of, min(n, limit) + 1, multiple_of):
+        if n % d == 0:
+            best = d
+    return best
+
+
+def _largest_pow2_divisor(n: int, limit: int, at_least: int) -> int:
+    """The largest power of 2 in [at_least, limit] dividing n (Triton tiles are powers of 2), else n."""
+    best, d = n, at_least
+    while d <= min(n, limit):
+        if n % d == 0:
+            best = d
+        d *= 2
+    return best
+
+
+def _chunk(block_k: int, group_size: int, layout: str) -> int:
+    """Rows of one sub-block: block_k, capped at the scale group (a sub-block never spans two groups)."""
+    min_k = 16 if layout == "marlin" else 8
+    if group_size % min_k:
+        raise ValueError(f"group_size {group_size} is not a multiple of {min_k} (needed by the {layout} layout)")
+    return _largest_divisor(group_size, min(block_k, group_size), min_k)
+
+
+def choose_config(m: int, k: int, n: int, group_size: int, layout: str,
+                  base: Int4Config | None = None) -> tuple[Int4Config, int]:
+    """(launch config, number of K splits) for an ``[m, k] @ [k, n]`` problem; ``base`` (default: the
+    table entry for m) has its block sizes shrunk to divisors of the problem."""
+    cfg = base or (GEMV_CONFIG if m == 1 else DOT_CONFIGS[min(128, max(16, next_power_of_2(m)))])
+    unit = 64 if layout == "marlin" else 8
+    block_n = _largest_pow2_divisor(n, cfg.block_n, unit)
+    chunk = _chunk(cfg.block_k, group_size, layout)
+    block_k = chunk * _largest_divisor(k // chunk, max(1, cfg.block_k // chunk))
+    tiles = -(-m // cfg.block_m) * (n // block_n)
+    steps = k // block_k
+    # split K until there are ~4 programs per core (deterministic partial sums, reduced by XLA)
+    splits = _largest_divisor(steps, max(1, 4 * num_cores() // tiles))
+    return dataclasses.replace(cfg, block_n=block_n, block_k=block_k), splits
+
+
+def int4_matmul(
+    x,
+    qweight,
+    scales,
+    zeros=None,
+    perm=None,
+    *,
+    group_size: int,
+    layout: str = "kpacked",
+    config: Int4Config | None = None,
+    splits: int | None = None,
+    interpret: bool | None = None,
+):
+    """Pallas W4A16 matmul with the signature of :func:`int4_matmul_reference`.
+
+    config / splits: override the launch choice of :func:`choose_config` (tuning, tests).
+    """
+    k, n = _shape_kn(qweight, layout)
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
+    if k % group_size or scales.shape != (k // group_size, n):
+        raise ValueError(f"scales {scales.shape} do not match K={k}, N={n}, group_size={group_size}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m > MAX_KERNEL_ROWS and config is None:  # prefill chunks: dequantize once, then the XLA GEMM
+        return int4_matmul_reference(x, qweight, scales, zeros, perm, group_size=group_size, layout=layout)
+    cfg, auto_splits = choose_config(m, k, n, group_size, layout, config)
+    num_splits = splits or auto_splits
+    block_k = cfg.block_k
+    chunk = _chunk(block_k, group_size, layout)
+    if block_k % chunk or k % (block_k * num_splits):
+        raise ValueError(f"block_k {block_k} x {num_splits} splits does not tile K={k} in groups of {group_size}")
+    if layout == "marlin":  # the codes come in mma-fragment row order: gather x to match
+        order = jnp.asarray(_marlin_row_order(k))
+        perm = order if perm is None else jnp.take(perm, order)
+    if perm is not None:
+        x2 = jnp.take(x2, perm, axis=1)
+    gemv = m == 1
+    block_m = 1 if gemv else cfg.block_m
+    m_pad = -(-m // block_m) * block_m
+    if m_pad != m:
+        x2 = jnp.pad(x2, ((0, m_pad - m), (0, 0)))
+    block_n = cfg.block_n
+    w_cols = block_n if layout == "kpacked" else 2 * block_n
+    grid = (m_pad // block_m, n // block_n, num_splits)
+    has_zeros = zeros is not None
+    in_specs = [
+        pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0)),
+        pl.BlockSpec((qweight.shape[0], w_cols), lambda i, j, s: (0, j)),
+        pl.BlockSpec((scales.shape[0], block_n), lambda i, j, s: (0, j)),
+    ]
+    args = [x2, qweight, scales]
+    if has_zeros:
+        in_specs.append(pl.BlockSpec((scales.shape[0], block_n), lambda i, j, s: (0, j)))
+        args.append(zeros)
+    kernel = functools.partial(
+        _kernel, chunk=chunk, chunks=block_k // chunk, steps=k // block_k // num_splits, group_size=group_size, layout=layout,
+        gemv=gemv, has_zeros=has_zeros,
+    )
+    partial = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, block_m, block_n), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((num_splits, m_pad, n), jnp.float32),
+        **launch_options(KernelConfig(block_m, chunk, cfg.num_warps, cfg.num_stages), interpret),
+    )(*args)
+    y = partial[0] if num_splits == 1 else jnp.sum(partial, axis=0)
+    pos = _col_position(n, layout)
+    if pos is not None:
+        y = y[:, pos]
+    return y[:m].astype(x.dtype).reshape(*lead, n)
