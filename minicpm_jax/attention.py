@@ -16,7 +16,8 @@ from flax import nnx
 from minicpm_jax.cache import KVCache
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.errors import MiniCPMError
-from minicpm_jax.layers import Linear
+from minicpm_jax.layers import make_linear
+from minicpm_jax.quant import QuantSpec
 from minicpm_jax.rope import apply_rope, rope_frequencies
 from pallas_kernels.attention import (
     MAX_DECODE_QUERIES,
@@ -65,15 +66,17 @@ class Attention(nnx.Module):
     """``o_proj(attn(rope(q), rope(k), v))`` with q/k/v fused into ``qkv_proj``."""
 
     def __init__(
-        self, config: ModelConfig, layer: int, *, max_length: int, attention_impl: str, rngs: nnx.Rngs, dtype
+        self, config: ModelConfig, layer: int, *, max_length: int, attention_impl: str, rngs: nnx.Rngs, dtype,
+        quant: QuantSpec | None = None,
     ):
         self.config = config
         self.layer = layer
         self.max_length = max_length
         self.attention_impl = attention_impl
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-        self.qkv_proj = Linear(config.hidden_size, qkv_out, rngs=rngs, dtype=dtype)
-        self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, rngs=rngs, dtype=dtype)
+        linear = dict(impl=attention_impl, rngs=rngs, dtype=dtype)
+        self.qkv_proj = make_linear(config.hidden_size, qkv_out, quant, **linear)
+        self.o_proj = make_linear(config.num_heads * config.head_dim, config.hidden_size, quant, **linear)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, valid: jax.Array, cache: KVCache, kv_lengths: jax.Array

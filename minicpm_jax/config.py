@@ -177,6 +177,11 @@ def read_config_json(path: str | os.PathLike) -> dict:
             f"no config.json in {path!r}; a model directory needs config.json and *.safetensors "
             "(convert other formats with `python -m checkpoints_convert`)"
         )
+    return read_json_object(file)
+
+
+def read_json_object(file: str) -> dict:
+    """A JSON file holding an object; MiniCPMError naming the file when unreadable or not an object."""
     try:
         with open(file, encoding="utf-8") as f:
             raw = json.load(f)

@@ -1,4 +1,4 @@
-"""Building blocks of the MiniCPM network: embedding, RMSNorm, bias-free linear, SwiGLU MLP.
+"""Building blocks of the MiniCPM network: embedding, RMSNorm, bias-free linear (dense or int4), SwiGLU MLP.
 
 Parameter names mirror the checkpoint names (``embed_tokens``, ``mlp.gate_up_proj`` ...) so the weight
 loaders are maps. Linear kernels are stored ``[in, out]``; q/k/v and gate/up are fused along ``out``.
@@ -9,6 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from minicpm_jax.quant import QuantSpec
+from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
 
 INIT_STD = 0.02  # random-weight initialisation (tests, benchmarks); real weights come from a checkpoint
 
@@ -28,6 +31,55 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return jnp.dot(x, self.kernel[...].astype(x.dtype))
+
+
+def scale_dtype(dtype) -> jnp.dtype:
+    """Dtype of int4 scales for a model in ``dtype``: float16 for half-precision models (GPTQ's own scale
+    dtype, so checkpoint scales are kept exactly), float32 otherwise."""
+    return jnp.dtype(jnp.float32) if jnp.dtype(dtype) == jnp.float32 else jnp.dtype(jnp.float16)
+
+
+class Int4Linear(nnx.Module):
+    """``y = x @ dequant(W)`` for W4A16 weights (see ``pallas_kernels.int4_matmul``).
+
+    Parameters: ``qweight int32`` (``[K/8, N]`` kpacked or ``[K/16, 2N]`` marlin), ``scales [G, N]``
+    (:func:`scale_dtype`), ``zeros [G, N]`` when asymmetric, ``perm int32 [K]`` with act-order.
+    impl: ``xla`` (the jnp reference: dequantize, then ``jnp.dot``) or ``pallas`` (the dequant-GEMM kernel).
+    """
+
+    def __init__(self, in_features: int, out_features: int, spec: QuantSpec, *, impl: str,
+                 rngs: nnx.Rngs | None, dtype=jnp.float32):
+        self.in_features, self.out_features = in_features, out_features
+        self.group_size = spec.rows_per_group(in_features)
+        self.layout = spec.layout
+        self.impl = impl
+        groups = in_features // self.group_size
+        shape = (in_features // 8, out_features) if spec.layout == "kpacked" else (in_features // 16, 2 * out_features)
+        sdt = scale_dtype(dtype)
+        if rngs is None:
+            self.qweight = nnx.Param(jnp.zeros(shape, jnp.int32))
+            self.scales = nnx.Param(jnp.zeros((groups, out_features), sdt))
+        else:  # uniform random codes; std(q − 8) ≈ 4.6, so the weights have std ≈ INIT_STD
+            self.qweight = nnx.Param(jax.random.bits(rngs.params(), shape, jnp.uint32).view(jnp.int32))
+            self.scales = nnx.Param(jnp.full((groups, out_features), INIT_STD / 4.6, sdt))
+        if not spec.sym:
+            self.zeros = nnx.Param(jnp.full((groups, out_features), 8, sdt))
+        if spec.act_order:
+            self.perm = nnx.Param(jnp.arange(in_features, dtype=jnp.int32))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        fn = int4_matmul if self.impl == "pallas" else int4_matmul_reference
+        zeros = self.zeros[...] if hasattr(self, "zeros") else None
+        perm = self.perm[...] if hasattr(self, "perm") else None
+        return fn(x, self.qweight[...], self.scales[...], zeros, perm, group_size=self.group_size, layout=self.layout)
+
+
+def make_linear(in_features: int, out_features: int, quant: QuantSpec | None, *, impl: str,
+                rngs: nnx.Rngs | None, dtype) -> Linear | Int4Linear:
+    """A dense :class:`Linear`, or an :class:`Int4Linear` when the model is quantized."""
+    if quant is None:
+        return Linear(in_features, out_features, rngs=rngs, dtype=dtype)
+    return Int4Linear(in_features, out_features, quant, impl=impl, rngs=rngs, dtype=dtype)
 
 
 class Embed(nnx.Module):
@@ -58,10 +110,11 @@ class RMSNorm(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into ``gate_up_proj``."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, hidden_size: int, intermediate_size: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 quant: QuantSpec | None = None, impl: str = "xla"):
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, rngs=rngs, dtype=dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, rngs=rngs, dtype=dtype)
+        self.gate_up_proj = make_linear(hidden_size, 2 * intermediate_size, quant, impl=impl, rngs=rngs, dtype=dtype)
+        self.down_proj = make_linear(intermediate_size, hidden_size, quant, impl=impl, rngs=rngs, dtype=dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)

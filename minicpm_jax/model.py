@@ -14,19 +14,22 @@ from minicpm_jax.attention import Attention, resolve_attention_impl
 from minicpm_jax.cache import KVCache
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.layers import MLP, Embed, Linear, RMSNorm
+from minicpm_jax.quant import QuantSpec
 
 
 class DecoderLayer(nnx.Module):
     """``x += s·attn(norm(x)); x += s·mlp(norm(x))`` with ``s = scale_depth/sqrt(num_layers)``."""
 
-    def __init__(self, config: ModelConfig, layer: int, *, max_length: int, attention_impl: str, rngs, dtype):
+    def __init__(self, config: ModelConfig, layer: int, *, max_length: int, attention_impl: str, rngs, dtype,
+                 quant: QuantSpec | None):
         self.residual_scale = config.residual_scale
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(
-            config, layer, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype
+            config, layer, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype, quant=quant
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, rngs=rngs, dtype=dtype)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, rngs=rngs, dtype=dtype, quant=quant,
+                       impl=attention_impl)
 
     def __call__(self, x, positions, valid, cache: KVCache, kv_lengths):
         attn, cache = self.self_attn(self.input_layernorm(x), positions, valid, cache, kv_lengths)
@@ -38,11 +41,12 @@ class DecoderLayer(nnx.Module):
 class MiniCPMModel(nnx.Module):
     """Embedding, decoder layers and final norm (the checkpoint's ``model.`` prefix)."""
 
-    def __init__(self, config: ModelConfig, *, max_length: int, attention_impl: str, rngs, dtype):
+    def __init__(self, config: ModelConfig, *, max_length: int, attention_impl: str, rngs, dtype, quant):
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, dtype=dtype)
         self.layers = nnx.List(
             [
-                DecoderLayer(config, i, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype)
+                DecoderLayer(config, i, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype,
+                             quant=quant)
                 for i in range(config.num_layers)
             ]
         )
@@ -59,6 +63,8 @@ class MiniCPMForCausalLM(nnx.Module):
         reference) or ``"pallas"``.
       dtype: weight and activation dtype (bf16 on GPU; fp32 for exact tests).
       rngs: random initialisation; None gives zeros (weights about to be loaded by ``weights.load_model``).
+      quant: int4 decoder linears (:class:`~minicpm_jax.quant.QuantSpec`), or None for dense weights. The
+        int4 matmul follows ``attention_impl``: the Pallas dequant-GEMM, or its jnp reference for ``xla``.
     """
 
     def __init__(
@@ -69,13 +75,16 @@ class MiniCPMForCausalLM(nnx.Module):
         attention_impl: str = "auto",
         dtype=jnp.float32,
         rngs: nnx.Rngs | None = None,
+        quant: QuantSpec | None = None,
     ):
         attention_impl = resolve_attention_impl(attention_impl, config.head_dim)
         self.config = config
         self.attention_impl = attention_impl
         self.max_length = max_length
         self.dtype = jnp.dtype(dtype)
-        self.model = MiniCPMModel(config, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype)
+        self.quant = quant
+        self.model = MiniCPMModel(config, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype,
+                                  quant=quant)
         if not config.tied_head:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, rngs=rngs, dtype=dtype)
 

