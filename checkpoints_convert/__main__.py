@@ -1,4 +1,4 @@
-"""``python -m checkpoints_convert {gguf,hf,inspect} ...``: offline checkpoint tools.
+"""``python -m checkpoints_convert {gguf,hf,gptq,quantize,inspect} ...``: offline checkpoint tools.
 
 Every write goes to a temporary directory beside the destination and is renamed into place only when
 complete; an existing destination is refused unless ``--overwrite``. Errors print one line (exit 2).
@@ -33,6 +33,29 @@ def _parser() -> argparse.ArgumentParser:
                    help="dtype of the stored parameters (auto: that of the source tensors)")
     h.add_argument("--overwrite", action="store_true", help="replace an existing --dst")
 
+    q = sub.add_parser("gptq", help="GPTQ / marlin-cpmcu int4 checkpoint -> native int4, or -> marlin-cpmcu")
+    q.add_argument("--src", required=True, help="GPTQ checkpoint directory (config.json + *.safetensors)")
+    q.add_argument("--dst", required=True, help="output directory")
+    q.add_argument("--layout", default="native", choices=["native", "marlin"],
+                   help="native: Orbax checkpoint in the engine's int4 layout; marlin: CPM.cu's marlin-cpmcu "
+                        "directory (model_gptq.safetensors; symmetric, no act-order)")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing --dst")
+
+    z = sub.add_parser("quantize", help="dense HF checkpoint -> int4 GPTQ checkpoint (RTN or GPTQ, in JAX)")
+    z.add_argument("--src", required=True, help="dense HF model directory")
+    z.add_argument("--dst", required=True, help="output directory (a standard GPTQ checkpoint)")
+    z.add_argument("--method", default="gptq", choices=["rtn", "gptq"], help="round-to-nearest or GPTQ")
+    z.add_argument("--group_size", type=int, default=128, help="input rows per scale group; -1 = per-channel")
+    z.add_argument("--asym", action="store_true", help="asymmetric codes with zero points (default symmetric)")
+    z.add_argument("--desc_act", action="store_true", help="GPTQ act-order (rows by decreasing Hessian diagonal)")
+    z.add_argument("--calibration_file", help="UTF-8 text for GPTQ's Hessians (required for --method gptq)")
+    z.add_argument("--num_samples", type=int, default=128, help="calibration sequences at most")
+    z.add_argument("--seq_length", type=int, default=512, help="tokens per calibration sequence")
+    z.add_argument("--damp_percent", type=float, default=0.01, help="Hessian damping, fraction of mean(diag H)")
+    z.add_argument("--checkpoint_format", default="gptq", choices=["gptq", "gptq_v2"],
+                   help="zero-point convention of the output (gptq = v1, stored minus one)")
+    z.add_argument("--overwrite", action="store_true", help="replace an existing --dst")
+
     i = sub.add_parser("inspect", help="print what a checkpoint holds")
     i.add_argument("path", help="HF directory, native directory or .gguf file")
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -57,6 +80,26 @@ def main(argv: list[str] | None = None) -> int:
 
             convert_hf(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
             print(f"wrote {args.dst} in {time.perf_counter() - t0:.1f} s")
+        elif args.command == "gptq":
+            from checkpoints_convert.gptq import convert_gptq
+
+            convert_gptq(args.src, args.dst, layout=args.layout, overwrite=args.overwrite)
+            print(f"wrote {args.dst} in {time.perf_counter() - t0:.1f} s")
+        elif args.command == "quantize":
+            from checkpoints_convert.quantize import GPTQSettings, quantize_checkpoint
+
+            for name in ("num_samples", "seq_length"):
+                if getattr(args, name) < 1:
+                    raise MiniCPMError(f"--{name} must be >= 1")
+            if not 0 <= args.damp_percent < 1:
+                raise MiniCPMError("--damp_percent must be in [0, 1)")
+            settings = GPTQSettings(damp_percent=args.damp_percent, seq_length=args.seq_length,
+                                    num_samples=args.num_samples)
+            spec = quantize_checkpoint(args.src, args.dst, method=args.method, group_size=args.group_size,
+                                       sym=not args.asym, desc_act=args.desc_act,
+                                       calibration_file=args.calibration_file, settings=settings,
+                                       checkpoint_format=args.checkpoint_format, overwrite=args.overwrite)
+            print(f"wrote {args.dst} ({args.method}, {spec}) in {time.perf_counter() - t0:.1f} s")
         else:
             from checkpoints_convert.inspect_checkpoint import format_summary, inspect
 

@@ -1,0 +1,170 @@
+"""``python -m checkpoints_convert quantize``: a dense Hugging Face checkpoint → a GPTQ int4 checkpoint.
+
+Methods:
+
+* ``rtn``: round-to-nearest per group (no data needed).
+* ``gptq``: GPTQ (Frantar et al. 2022; ``checkpoints_convert.gptq_solver``). Layer by layer, the
+  calibration text runs through the model with the layers before already quantized; the inputs of each
+  decoder linear give its Hessian ``H = 2/n · Σ x xᵀ``, and the solver quantizes the weight column by column
+  with error feedback (damped Cholesky of H⁻¹, optional act-order). q/k/v and gate/up share their inputs,
+  so they are solved fused, as the engine stores them.
+
+The output is a standard GPTQ checkpoint (``qweight``/``qzeros``/``scales``/``g_idx`` under split
+names, ``quantization_config`` in config.json) that this engine, transformers/AutoGPTQ and
+``checkpoints_convert gptq --layout marlin`` read. Embeddings, norms and lm_head are copied unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from checkpoints_convert.common import ShardedSafetensorsWriter, atomic_output_dir, check_destination
+from checkpoints_convert.gptq import dense_tensor_names, write_gptq_config, write_gptq_tensors
+from checkpoints_convert.gptq_solver import HessianAccumulator, gptq_quantize
+from checkpoints_convert.hf import copy_side_files
+from minicpm_jax import int4
+from minicpm_jax.cache import KVCache
+from minicpm_jax.config import ModelConfig
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.quant import QUANTIZED_LINEARS, QuantSpec
+from minicpm_jax.weights import _TensorReader, load_model, resolve_tied_head, safetensors_files
+from minicpm_jax.weights_int4 import checkpoint_quant
+
+METHODS = ("rtn", "gptq")
+
+
+@dataclasses.dataclass
+class GPTQSettings:
+    damp_percent: float = 0.01
+    seq_length: int = 512  # tokens per calibration sequence
+    num_samples: int = 128  # calibration sequences at most
+    block_size: int = 128  # rows per lazy GPTQ batch
+
+
+class _Recorder(nnx.Module):
+    """Wraps a linear and accumulates the Hessian of its inputs while passing them through."""
+
+    def __init__(self, linear, k: int):
+        self.linear = linear
+        self.acc = HessianAccumulator(k)
+
+    def __call__(self, x):
+        self.acc.add(x)
+        return self.linear(x)
+
+
+def calibration_tokens(src: str, text_file: str, settings: GPTQSettings) -> np.ndarray:
+    """``int32 [S, T]``: the calibration text tokenized with the model's tokenizer, cut into sequences."""
+    from minicpm_jax.tokenizer import load_tokenizer
+
+    try:
+        with open(text_file, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise MiniCPMError(f"cannot read --calibration_file {text_file}: {e}") from None
+    ids = load_tokenizer(src)(text, add_special_tokens=False)["input_ids"]
+    t = min(settings.seq_length, len(ids))
+    if t < 16:
+        raise MiniCPMError(f"--calibration_file {text_file} has {len(ids)} tokens; GPTQ needs at least 16")
+    n = min(settings.num_samples, len(ids) // t)
+    return np.asarray(ids[: n * t], np.int32).reshape(n, t)
+
+
+def _linears(layer):
+    for module, name in QUANTIZED_LINEARS:
+        yield module, name, getattr(getattr(layer, module), name)
+
+
+def gptq_calibrate(model, tokens: np.ndarray, spec: QuantSpec, settings: GPTQSettings,
+                   progress: bool = True) -> dict[tuple, int4.Int4Weight]:
+    """GPTQ of every decoder linear of the dense float32 ``model`` on calibration ``tokens [S, T]``."""
+    from tqdm import tqdm
+
+    s, t = tokens.shape
+    config = model.config
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (s, t))
+    valid = jnp.ones((s, t), bool)
+    lengths = jnp.full((s,), t, jnp.int32)
+    x = model.model.embed_tokens(jnp.asarray(tokens)).astype(jnp.float32) * config.scale_emb
+    out = {}
+    for i, layer in enumerate(tqdm(model.model.layers, desc="GPTQ", unit="layer", disable=not progress)):
+        cache = KVCache.create(config, s, t, jnp.float32)
+        for module, name, linear in _linears(layer):
+            setattr(getattr(layer, module), name, _Recorder(linear, linear.kernel.shape[0]))
+        layer(x, positions, valid, cache, lengths)  # records the inputs of the original layer
+        for module, name, rec in _linears(layer):
+            w = np.asarray(rec.linear.kernel[...], np.float32)
+            qw = gptq_quantize(w, rec.acc.hessian, group_size=spec.group_size, sym=spec.sym,
+                               desc_act=spec.act_order, damp_percent=settings.damp_percent,
+                               block_size=settings.block_size)
+            gs = spec.rows_per_group(w.shape[0])
+            zeros = None if spec.sym else qw.zero.astype(np.float32)
+            out[("model", "layers", i, module, name)] = int4.Int4Weight(qw.q, qw.scale, zeros, qw.g_idx, gs)
+            rec.linear.kernel.value = jnp.asarray(qw.dequantize(), jnp.float32)  # later layers see int4 effects
+            setattr(getattr(layer, module), name, rec.linear)
+        x, _ = layer(x, positions, valid, cache, lengths)
+    return out
+
+
+def rtn_weights(model, spec: QuantSpec) -> dict[tuple, int4.Int4Weight]:
+    """Round-to-nearest int4 of every decoder linear of ``model``."""
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        for module, name, linear in _linears(layer):
+            w = np.asarray(linear.kernel[...], np.float32)
+            out[("model", "layers", i, module, name)] = int4.rtn_quantize(
+                w, group_size=spec.rows_per_group(w.shape[0]), sym=spec.sym)
+    return out
+
+
+def quantize_checkpoint(src: str, dst: str, *, method: str = "gptq", group_size: int = 128, sym: bool = True,
+                        desc_act: bool = False, calibration_file: str | None = None,
+                        settings: GPTQSettings | None = None, checkpoint_format: str = "gptq",
+                        overwrite: bool = False, progress: bool = True) -> QuantSpec:
+    """Writes the int4 GPTQ checkpoint of the dense HF checkpoint ``src`` to ``dst`` (atomically)."""
+    settings = settings or GPTQSettings()
+    if method not in METHODS:
+        raise MiniCPMError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    if method == "gptq" and not calibration_file:
+        raise MiniCPMError("--method gptq needs --calibration_file (a UTF-8 text file; a few thousand tokens of "
+                           "text like the model's use)")
+    if method == "gptq" and not os.path.isfile(calibration_file):
+        raise MiniCPMError(f"--calibration_file {calibration_file} does not exist")
+    if method == "rtn" and desc_act:
+        raise MiniCPMError("--desc_act only applies to --method gptq")
+    if checkpoint_format not in ("gptq", "gptq_v2"):
+        raise MiniCPMError(f"--checkpoint_format must be gptq or gptq_v2, got {checkpoint_format!r}")
+    check_destination(dst, overwrite)
+    spec = QuantSpec(group_size=group_size, sym=sym, act_order=desc_act)
+    config = ModelConfig.from_pretrained(src)
+    files = safetensors_files(src)
+    config = resolve_tied_head(config, set(files))
+    if checkpoint_quant(src, config, files) is not None:
+        raise MiniCPMError(f"{src} is already quantized; quantize a dense (bf16/fp16/fp32) checkpoint")
+    for k in {config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim}:
+        spec.rows_per_group(k)
+    model = load_model(src, dtype=jnp.float32, attention_impl="xla", max_length=max(settings.seq_length, 2))
+    if method == "rtn":
+        linears = rtn_weights(model, spec)
+    else:
+        tokens = calibration_tokens(src, calibration_file, settings)
+        print(f"calibrating on {tokens.shape[0]} x {tokens.shape[1]} tokens", file=sys.stderr)
+        linears = gptq_calibrate(model, tokens, spec, settings, progress)
+    del model
+    with atomic_output_dir(dst, overwrite) as tmp:
+        writer = ShardedSafetensorsWriter(tmp)
+        with _TensorReader(files) as reader:
+            for name in dense_tensor_names(config, set(files)):
+                writer.add(name, np.asarray(reader.get(name)))
+        write_gptq_tensors(writer, config, linears, checkpoint_format)
+        writer.close()
+        write_gptq_config(src, tmp, spec, checkpoint_format)
+        copy_side_files(src, tmp)
+    return spec
+
