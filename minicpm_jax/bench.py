@@ -16,6 +16,10 @@ Scenarios (``--scenarios``, comma-separated):
   2·layers·heads·head_dim·(context+1) on average) / matmul FLOP/s. All contexts share one
   static cache (``--max_length``), so rows show how cost follows the actual context.
 * ``load`` — ``load_model`` of the shape's random weights from HF safetensors vs the native format.
+* ``int4`` — the W4A16 dequant-GEMM (``pallas_kernels.int4_matmul``) on every linear shape of the model
+  at ``--int4_ms`` rows, per ``--int4_layouts``, against bf16 ``jnp.dot`` and the copy bandwidth (see
+  ``bench_int4``). e2e rows for int4 weights come from ``--quants none,int4`` (random int4 weights,
+  group ``--quant_group_size``; the decode roofline then counts int4 codes + scales).
 
 ``--peer hf`` first runs HF transformers (PyTorch, same GPU, same shape, random weights; see
 ``bench_hf``) on the e2e contexts, in a subprocess before JAX takes the GPU, and adds its rows and our
@@ -42,7 +46,9 @@ from absl import app, flags
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.engine import Engine
 from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.bench_int4 import bench_int4, int4_markdown, linear_shapes
 from minicpm_jax.model import MiniCPMForCausalLM
+from minicpm_jax.quant import QuantSpec
 from pallas_kernels.attention import attention_reference, decode_attention, decode_attention_splits, prefill_attention
 from pallas_kernels.timing import device_loop_time
 
@@ -67,12 +73,17 @@ SHAPES = {
 }
 
 FLAGS = flags.FLAGS
-SCENARIOS = ("e2e", "kernels", "load")
-flags.DEFINE_list("scenarios", ["e2e"], "Which benchmarks: e2e (prefill + decode), kernels (attention), load.")
+SCENARIOS = ("e2e", "kernels", "load", "int4")
+flags.DEFINE_list("scenarios", ["e2e"], "Which benchmarks: e2e (prefill + decode), kernels (attention), load, "
+                  "int4 (dequant-GEMM).")
 flags.DEFINE_enum("shape", "minicpm4-8b", list(SHAPES), "Model shape (random weights).")
 flags.DEFINE_string("scratch_dir", "/tmp/minicpm_jax_bench", "Where the load scenario writes its checkpoints.")
 flags.DEFINE_list("contexts", ["1024"], "e2e: context lengths (prompt tokens before decoding).")
 flags.DEFINE_list("attention_impls", ["auto"], "e2e: attention paths to run (auto, pallas, xla), one row each.")
+flags.DEFINE_list("quants", ["none"], "e2e: weight formats to run (none = dense --dtype, int4 = W4A16), one row each.")
+flags.DEFINE_integer("quant_group_size", 128, "e2e and int4: int4 scale group size.")
+flags.DEFINE_list("int4_ms", ["1", "16", "64"], "int4: activation rows (1 = decode GEMV; 16/64 = tree verify, batches).")
+flags.DEFINE_list("int4_layouts", ["kpacked", "marlin"], "int4: weight layouts to time.")
 flags.DEFINE_list("prefill_contexts", ["2048", "8192", "32768"], "kernels: causal prompt lengths.")
 flags.DEFINE_list("decode_contexts", ["1024", "8192", "32768", "131072"], "kernels: cache lengths for decode.")
 flags.DEFINE_integer("batch_size", 1, "Sequences decoded together.")
@@ -124,11 +135,20 @@ def matmul_flops(n: int = 8192, repeats: int = 10) -> float:
     return 2 * n**3 / statistics.median(_median_time(lambda: mm(a, b), repeats))
 
 
-def decode_weight_bytes(config: ModelConfig, itemsize: int) -> int:
+def decode_weight_bytes(config: ModelConfig, itemsize: int, quant: QuantSpec | None = None) -> int:
     """Bytes of weights one decode step reads: every parameter except the gathered embedding table
-    (a tied head still reads the table once, as lm_head)."""
+    (a tied head still reads the table once, as lm_head). With int4 the decoder linears count their
+    codes (half a byte per weight) and fp16 scales (and zeros)."""
     params = config.num_params - (0 if config.tied_head else config.vocab_size * config.hidden_size)
-    return params * itemsize
+    if quant is None:
+        return params * itemsize
+    linear = 0
+    qbytes = 0
+    for k, n in linear_shapes(config).values():
+        groups = k // quant.rows_per_group(k)
+        linear += k * n
+        qbytes += k * n // 2 + groups * n * 2 * (1 if quant.sym else 2)
+    return (params - config.num_layers * linear) * itemsize + config.num_layers * qbytes
 
 
 def prefill_flops_per_token(config: ModelConfig, context: int) -> float:
@@ -138,18 +158,20 @@ def prefill_flops_per_token(config: ModelConfig, context: int) -> float:
     return 2 * decode_weight_bytes(config, 1) + 2 * config.num_layers * config.num_heads * config.head_dim * (context + 1)
 
 
-def random_model(config: ModelConfig, max_length: int, dtype, attention_impl: str = "auto") -> MiniCPMForCausalLM:
+def random_model(config: ModelConfig, max_length: int, dtype, attention_impl: str = "auto",
+                 quant: QuantSpec | None = None) -> MiniCPMForCausalLM:
     """Random-weight model created directly on the default device (the same weights for every impl)."""
     from flax import nnx
 
     return MiniCPMForCausalLM(config, max_length=max_length, dtype=dtype, attention_impl=attention_impl,
-                              rngs=nnx.Rngs(0))
+                              rngs=nnx.Rngs(0), quant=quant)
 
 
 @dataclasses.dataclass
 class Row:
     shape: str
     attention_impl: str
+    quant: str
     context: int
     batch_size: int
     max_length: int
@@ -170,16 +192,17 @@ class Row:
 def bench_end_to_end(shape: str, contexts: list[int], batch_size: int, decode_steps: int, decode_block: int,
                      chunk_length: int, dtype, repeats: int, bandwidth: float, flops: float,
                      max_length: int | None = None, dump_hlo: str | None = None,
-                     attention_impl: str = "auto") -> list[Row]:
+                     attention_impl: str = "auto", quant: QuantSpec | None = None) -> list[Row]:
     config = ModelConfig.from_dict(SHAPES[shape])
     max_length = max_length or max(contexts) + decode_steps + 8
     if max_length < max(contexts) + decode_steps:
         raise MiniCPMError(f"--max_length {max_length} is too small for context {max(contexts)} + {decode_steps} steps")
-    model = random_model(config, max_length, dtype, attention_impl)
+    model = random_model(config, max_length, dtype, attention_impl, quant)
     impl = model.attention_impl
+    qname = "none" if quant is None else f"int4 g{quant.group_size}"
     engine = Engine(model, batch_size=batch_size, chunk_length=min(chunk_length, max_length), decode_block=decode_block)
     itemsize = jnp.dtype(dtype).itemsize
-    wbytes = decode_weight_bytes(config, itemsize)
+    wbytes = decode_weight_bytes(config, itemsize, quant)
     rng = np.random.default_rng(0)
     rows = []
     for ctx in contexts:
@@ -199,8 +222,8 @@ def bench_end_to_end(shape: str, contexts: list[int], batch_size: int, decode_st
         kv_bytes = 2 * config.num_layers * batch_size * config.num_kv_heads * ctx * config.head_dim * itemsize
         roofline_ms = 1e3 * (wbytes + kv_bytes) / bandwidth
         prefill_roof = flops / prefill_flops_per_token(config, ctx)
-        rows.append(Row(shape, impl, ctx, batch_size, max_length, pre, dec, roofline_ms, prefill_roof))
-        print(f"  {shape} {impl} ctx={ctx}: decode {dec} ms/token (roofline {roofline_ms:.3f} ms), prefill {pre} tok/s",
+        rows.append(Row(shape, impl, qname, ctx, batch_size, max_length, pre, dec, roofline_ms, prefill_roof))
+        print(f"  {shape} {impl} {qname} ctx={ctx}: decode {dec} ms/token (roofline {roofline_ms:.3f} ms), prefill {pre} tok/s",
               file=sys.stderr)
     return rows
 
@@ -404,8 +427,9 @@ def _peer_row(peer: dict | None, attn: str, ctx: int) -> dict | None:
 
 def markdown(rows: list[Row], bandwidth: float, flops: float, device: str, peer: dict | None = None) -> str:
     attns = sorted({r["attn"] for r in (peer or {}).get("rows", [])})
-    head = "| shape | attention | batch | context | max_length | decode ms/token (runs) | roofline ms | % of roofline | prefill tok/s (runs) | % of matmul roofline |"
-    sep = "|---|---|---|---|---|---|---|---|---|---|"
+    head = ("| shape | attention | weights | batch | context | max_length | decode ms/token (runs) | roofline ms | "
+            "% of roofline | decode vs dense | prefill tok/s (runs) | % of matmul roofline |")
+    sep = "|---|---|---|---|---|---|---|---|---|---|---|---|"
     for a in attns:
         head += f" HF {a} decode ms/token | ours vs HF {a} decode | HF {a} prefill tok/s |"
         sep += "---|---|---|"
@@ -419,8 +443,11 @@ def markdown(rows: list[Row], bandwidth: float, flops: float, device: str, peer:
         runs = ", ".join(f"{x:.3f}" for x in r.decode_ms_per_token)
         pre = ", ".join(f"{x:,.0f}" for x in r.prefill_tok_s)
         pct_pre = 100 * statistics.median(r.prefill_tok_s) / r.prefill_roofline_tok_s
-        line = (f"| {r.shape} | {r.attention_impl} | {r.batch_size} | {r.context} | {r.max_length} | {r.decode_ms:.3f} ({runs}) | "
-                f"{r.roofline_ms:.3f} | {r.pct_roofline:.1f}% | {pre} | {pct_pre:.1f}% |")
+        dense = [d for d in rows if d.quant == "none" and (d.attention_impl, d.context) == (r.attention_impl, r.context)]
+        vs_dense = f"{dense[0].decode_ms / r.decode_ms:.2f}x" if dense else "n/a"
+        line = (f"| {r.shape} | {r.attention_impl} | {r.quant} | {r.batch_size} | {r.context} | {r.max_length} | "
+                f"{r.decode_ms:.3f} ({runs}) | {r.roofline_ms:.3f} | {r.pct_roofline:.1f}% | {vs_dense} | {pre} | "
+                f"{pct_pre:.1f}% |")
         for a in attns:
             p = _peer_row(peer, a, r.context)
             if p is None or not p["decode_ms_per_token"]:
@@ -463,10 +490,13 @@ def plot(result: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         if panel == "rows":
-            for impl in sorted({r["attention_impl"] for r in result["rows"]}):
-                rows = sorted((r for r in result["rows"] if r["attention_impl"] == impl), key=lambda r: r["context"])
+            series = sorted({(r["attention_impl"], r.get("quant", "none")) for r in result["rows"]})
+            for impl, quant in series:
+                rows = sorted((r for r in result["rows"] if (r["attention_impl"], r.get("quant", "none")) == (impl, quant)),
+                              key=lambda r: r["context"])
+                label = impl if quant == "none" else f"{impl}, {quant}"
                 ax.plot([r["context"] for r in rows], [statistics.median(r["decode_ms_per_token"]) for r in rows], "o-",
-                        label=f"minicpm-jax ({impl})")
+                        label=f"minicpm-jax ({label})")
             for attn in sorted({r["attn"] for r in result.get("peer", {}).get("rows", [])}):
                 rows = [r for r in result["peer"]["rows"] if r["attn"] == attn and r["decode_ms_per_token"]]
                 ax.plot([r["context"] for r in rows], [statistics.median(r["decode_ms_per_token"]) for r in rows], "s--",
@@ -526,6 +556,13 @@ def _main():
     unknown = set(FLAGS.scenarios) - set(SCENARIOS)
     if unknown:
         raise MiniCPMError(f"--scenarios: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SCENARIOS)})")
+    bad_quant = set(FLAGS.quants) - {"none", "int4"}
+    if bad_quant:
+        raise MiniCPMError(f"--quants: unknown {', '.join(sorted(bad_quant))} (choose from none, int4)")
+    quant_spec = QuantSpec(group_size=FLAGS.quant_group_size)
+    bad_layout = set(FLAGS.int4_layouts) - {"kpacked", "marlin"}
+    if bad_layout:
+        raise MiniCPMError(f"--int4_layouts: unknown {', '.join(sorted(bad_layout))} (choose from kpacked, marlin)")
     bad_impl = set(FLAGS.attention_impls) - {"auto", "xla", "pallas"}
     if bad_impl:
         raise MiniCPMError(f"--attention_impls: unknown {', '.join(sorted(bad_impl))} (choose from auto, xla, pallas)")
@@ -539,7 +576,7 @@ def _main():
     result.update(device=device, jax=jax.__version__)
     tables = []
     dtype = jnp.dtype(FLAGS.dtype)
-    if {"e2e", "kernels"} & set(FLAGS.scenarios):
+    if {"e2e", "kernels", "int4"} & set(FLAGS.scenarios):
         small = jax.default_backend() == "cpu"  # CPU numbers are for smoke runs only
         bandwidth = copy_bandwidth(256 * 1024**2 if small else 2 * 1024**3)
         flops = matmul_flops(1024 if small else 8192)
@@ -551,14 +588,21 @@ def _main():
         result["kernels"] = bench_kernels(FLAGS.shape, _int_list("prefill_contexts", FLAGS.prefill_contexts),
                                           _int_list("decode_contexts", FLAGS.decode_contexts), dtype, FLAGS.repeats)
         tables.append(kernels_markdown(result["kernels"], bandwidth, flops))
+    if "int4" in FLAGS.scenarios:
+        config = ModelConfig.from_dict(SHAPES[FLAGS.shape])
+        result["int4"] = bench_int4(config, _int_list("int4_ms", FLAGS.int4_ms), FLAGS.int4_layouts,
+                                    quant_spec.group_size, FLAGS.repeats)
+        tables.append(int4_markdown(result["int4"], bandwidth))
     if "e2e" in FLAGS.scenarios:
         rows = []
         dump_hlo = FLAGS.dump_hlo
-        for impl in FLAGS.attention_impls:
-            rows += bench_end_to_end(FLAGS.shape, contexts, FLAGS.batch_size, FLAGS.decode_steps, FLAGS.decode_block,
-                                     FLAGS.chunk_length, dtype, FLAGS.repeats, bandwidth, flops, FLAGS.max_length,
-                                     dump_hlo, attention_impl=impl)
-            dump_hlo = None
+        for quant in FLAGS.quants:
+            for impl in FLAGS.attention_impls:
+                rows += bench_end_to_end(FLAGS.shape, contexts, FLAGS.batch_size, FLAGS.decode_steps,
+                                         FLAGS.decode_block, FLAGS.chunk_length, dtype, FLAGS.repeats, bandwidth, flops,
+                                         FLAGS.max_length, dump_hlo, attention_impl=impl,
+                                         quant=quant_spec if quant == "int4" else None)
+                dump_hlo = None
         result["rows"] = [dict(dataclasses.asdict(r), pct_roofline=r.pct_roofline) for r in rows]
         tables.append(markdown(rows, bandwidth, flops, device, result.get("peer")))
     text = "\n\n".join(tables)

@@ -50,8 +50,26 @@ def test_bench_smoke_on_cpu(tmp_path):
         assert isinstance(sec["pallas"], list) and sec["pallas"][0] > 0
         assert isinstance(sec["xla"], list) and sec["xla"][0] > 0
         assert isinstance(sec["cudnn"], str)  # no cuDNN on the CPU: reported, not fatal
-    assert "| smollm2-135m | pallas | 1 | 40 |" in r.stdout and md.read_text().strip() == r.stdout.strip()
+    assert "| smollm2-135m | pallas | none | 1 | 40 |" in r.stdout and md.read_text().strip() == r.stdout.strip()
     assert png.stat().st_size > 1000
+
+
+def test_bench_int4_smoke_on_cpu(tmp_path):
+    """The int4 scenario times the dequant-GEMM per linear shape; e2e runs dense and int4 rows side by side."""
+    out = tmp_path / "bench.json"
+    r = _bench("--scenarios", "int4,e2e", "--shape", "smollm2-135m", "--contexts", "24", "--attention_impls", "xla",
+               "--quants", "none,int4", "--quant_group_size", "64", "--int4_ms", "1", "--int4_layouts", "kpacked",
+               "--decode_steps", "3", "--decode_block", "2", "--chunk_length", "32", "--dtype", "float32",
+               "--repeats", "1", "--json_out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [row["quant"] for row in result["rows"]] == ["none", "int4 g64"]
+    assert all(row["decode_ms_per_token"][0] > 0 for row in result["rows"])
+    rows = result["int4"]["rows"]
+    assert [row["name"] for row in rows] == ["qkv", "o", "gate_up", "down"] and rows[0]["k"] == 576
+    for row in rows:
+        assert row["seconds"]["bf16"][0] > 0 and row["seconds"]["int4_kpacked"][0] > 0
+    assert "| smollm2-135m | xla | int4 g64 | 1 | 24 |" in r.stdout and "int4 dequant-GEMM, group 64" in r.stdout
 
 
 def test_plot_from_saved_json(tmp_path):
@@ -74,6 +92,9 @@ def test_plot_from_saved_json(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--scenarios", "e2e,warp"], "unknown warp"),
     (["--attention_impls", "cuda"], "unknown cuda"),
+    (["--quants", "int8"], "unknown int8"),
+    (["--int4_layouts", "awq"], "unknown awq"),
+    (["--quant_group_size", "24"], "multiple of 16"),
     (["--contexts", "1k"], "--contexts must be integers"),
     (["--plot_from", "/nonexistent.json", "--plot", "x.png"], "cannot read /nonexistent.json"),
     (["--scenarios", "e2e", "--contexts", "4000", "--max_length", "1000", "--shape", "smollm2-135m"],

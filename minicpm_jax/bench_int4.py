@@ -1,0 +1,130 @@
+"""The ``int4`` scenario of ``python -m minicpm_jax.bench``: the W4A16 dequant-GEMM on a model's linear
+shapes, against bf16 ``jnp.dot`` (cuBLAS) and the copy-bandwidth ceiling measured in the same run.
+
+Each timed call multiplies by several copies of the weight (more bytes than the 50 MB L2), so weights
+come from HBM as they do in a decode step. Bandwidth counts int4 codes + scales (+ zeros) + x + y.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from minicpm_jax.config import ModelConfig
+from pallas_kernels.int4_matmul import Int4Config, choose_config, int4_matmul, int4_matmul_reference
+from pallas_kernels.timing import device_loop_time
+
+L2_BYTES = 50 * 1024**2
+
+
+def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """``{name: (K, N)}`` of one decoder layer's (fused) linears."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    return {
+        "qkv": (h, (config.num_heads + 2 * config.num_kv_heads) * d),
+        "o": (config.num_heads * d, h),
+        "gate_up": (h, 2 * i),
+        "down": (i, h),
+    }
+
+
+def _random_int4(key, k: int, n: int, group_size: int, layout: str, copies: int):
+    """``copies`` random symmetric int4 weights in ``layout``: lists of qweight and of scales, each copy
+    its own buffer (a slice of a stacked array would be copied before a custom call reads it)."""
+    shape = (k // 8, n) if layout == "kpacked" else (k // 16, 2 * n)
+    qws, scs = [], []
+    for key_c in jax.random.split(key, copies):
+        k1, k2 = jax.random.split(key_c)
+        qws.append(jax.random.bits(k1, shape, jnp.uint32).view(jnp.int32))
+        scs.append((jax.random.uniform(k2, (k // group_size, n), jnp.float32, 0.5, 1.5) * 1e-2).astype(jnp.bfloat16))
+    return qws, scs
+
+
+def bench_linear(k: int, n: int, m: int, group_size: int, layouts: list[str], repeats: int,
+                 configs: dict[str, Int4Config | None] | None = None) -> dict:
+    """Seconds per ``[m, k] @ [k, n]`` call for bf16 ``jnp.dot`` and the int4 kernel in each layout."""
+    int4_bytes = k * n // 2 + (k // group_size) * n * 2
+    copies = max(2, min(32, -(-2 * L2_BYTES // int4_bytes)))
+    key = jax.random.PRNGKey(k * 7 + n)
+    x = jax.random.normal(key, (m, k), jnp.float32).astype(jnp.bfloat16)
+    out: dict = {"k": k, "n": n, "m": m, "group_size": group_size, "int4_bytes": int4_bytes,
+                 "bf16_bytes": k * n * 2, "io_bytes": (m * k + m * n) * 2, "seconds": {}}
+    bf16_copies = max(2, min(32, -(-2 * L2_BYTES // (k * n * 2))))
+    ws = [(jax.random.normal(c, (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
+          for c in jax.random.split(key, bf16_copies)]
+    runs = {"bf16": (lambda x_, w_: [jnp.dot(x_, wc) for wc in w_], (x, ws), bf16_copies)}
+    for layout in layouts:
+        qw, sc = _random_int4(key, k, n, group_size, layout, copies)
+        for name, cfg in (configs or {"": None}).items():
+            def kern(x_, q_, s_, cfg=cfg, layout=layout):
+                return [int4_matmul(x_, qc, scc, group_size=group_size, layout=layout, config=cfg)
+                        for qc, scc in zip(q_, s_)]
+            runs[f"int4_{layout}{name}"] = (kern, (x, qw, sc), copies)
+        if m > 1:
+            runs[f"xla_dequant_{layout}"] = (
+                lambda x_, q_, s_, layout=layout: [int4_matmul_reference(x_, qc, scc, group_size=group_size,
+                                                                         layout=layout) for qc, scc in zip(q_, s_)],
+                (x, qw, sc), copies)
+    iters = max(3, min(100, int(1e9 // (int4_bytes * copies))))
+    for name, (fn, args, n_copies) in runs.items():
+        try:
+            times = device_loop_time(fn, args, iters=iters, repeats=repeats, chain=0)  # x: tiny
+            out["seconds"][name] = [t / n_copies for t in times]
+        except Exception as e:  # a config Triton cannot compile is reported, not fatal
+            out["seconds"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        print(f"    {name} [{m}x{k}]@[{k}x{n}]: {out['seconds'][name]}", file=sys.stderr, flush=True)
+    cfg, splits = choose_config(m, k, n, group_size, "kpacked")
+    out["config"] = dict(dataclasses.asdict(cfg), splits=splits)
+    return out
+
+
+def bench_int4(config: ModelConfig, ms: list[int], layouts: list[str], group_size: int, repeats: int,
+               configs: dict[str, Int4Config | None] | None = None) -> dict:
+    """Every linear shape of ``config`` at every ``m`` in ``ms``."""
+    rows = []
+    for name, (k, n) in linear_shapes(config).items():
+        for m in ms:
+            print(f"  int4 {name} m={m}", file=sys.stderr, flush=True)
+            rows.append(dict(bench_linear(k, n, m, group_size, layouts, repeats, configs), name=name))
+    return {"group_size": group_size, "rows": rows}
+
+
+def int4_markdown(r: dict, bandwidth: float) -> str:
+    """Table: µs per call, int4 GB/s and % of copy bandwidth, speed-up over bf16."""
+    names = sorted({n for row in r["rows"] for n in row["seconds"]} - {"bf16"})
+    head = ("| linear | M | K×N | bf16 µs (% BW) | " + " | ".join(f"{n} µs (% BW, × bf16)" for n in names) + " |")
+    lines = [f"int4 dequant-GEMM, group {r['group_size']}, copy bandwidth {bandwidth / 1e12:.2f} TB/s "
+             "(% BW counts int4 codes + scales + x + y; bf16 counts its weight + x + y)", "", head,
+             "|" + "---|" * (3 + 1 + len(names))]
+    for row in r["rows"]:
+        secs = row["seconds"]
+
+        def cell(name, nbytes):
+            t = secs.get(name)
+            if not isinstance(t, list):
+                return "—" if t is None else "error"
+            s = statistics.median(t)
+            text = f"{s * 1e6:.1f} ({100 * nbytes / s / bandwidth:.0f}%"
+            if name != "bf16" and isinstance(secs.get("bf16"), list):
+                text += f", {statistics.median(secs['bf16']) / s:.2f}×"
+            return text + ")"
+
+        io = row["io_bytes"]
+        cells = [cell("bf16", row["bf16_bytes"] + io)] + [cell(n, row["int4_bytes"] + io) for n in names]
+        lines.append(f"| {row['name']} | {row['m']} | {row['k']}×{row['n']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sweep_configs(m: int) -> dict[str, Int4Config]:
+    """Candidate launch configs for the tuning sweep (``--int4_sweep``)."""
+    if m == 1:
+        grid = [(bn, bk, w, s) for bn in (64, 128, 256) for bk in (128, 256, 512) for w in (4, 8) for s in (1,)]
+        return {f"_n{bn}k{bk}w{w}s{s}": Int4Config(1, bn, bk, w, s) for bn, bk, w, s in grid}
+    bm = max(16, min(128, int(2 ** np.ceil(np.log2(m)))))
+    grid = [(bn, bk, w, s) for bn in (64, 128) for bk in (64, 128) for w in (4, 8) for s in (2, 3)]
+    return {f"_n{bn}k{bk}w{w}s{s}": Int4Config(bm, bn, bk, w, s) for bn, bk, w, s in grid}
