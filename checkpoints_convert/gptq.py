@@ -77,8 +77,8 @@ def convert_to_marlin(src: str, dst: str, *, overwrite: bool = False, progress: 
     if quant is None:
         raise MiniCPMError(f"{src} is not an int4 checkpoint (no *.qweight tensors)")
     if not quant.spec.sym or quant.spec.act_order:
-        raise MiniCPMError(f"{src}: the marlin-cpmcu layout needs sym=true and desc_act=false "
-                           f"(this checkpoint has sym={quant.spec.sym}, desc_act={quant.spec.act_order})")
+        raise MiniCPMError(f"{src}: the marlin-cpmcu layout needs symmetric weights without act-order (sym=true, "
+                           f"desc_act=false; this checkpoint has sym={quant.spec.sym}, desc_act={quant.spec.act_order})")
     if quant.spec.group_size != CPMCU_GROUP_SIZE:
         print(f"warning: group_size {quant.spec.group_size}: minicpm-jax loads it, CPM.cu only runs group "
               f"{CPMCU_GROUP_SIZE}", file=sys.stderr)

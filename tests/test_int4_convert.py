@@ -58,7 +58,7 @@ def rtn_dir(smollm2_dir, tmp_path_factory):
 def gptq_dir(smollm2_dir, tmp_path_factory):
     dst = tmp_path_factory.mktemp("int4") / "gptq"
     _convert("quantize", "--src", smollm2_dir, "--dst", dst, "--method", "gptq", "--group_size", GROUP,
-             "--calibration_file", CALIBRATION_TEXT, "--seq_length", 512, "--num_samples", 32)
+             "--calibration_file", CALIBRATION_TEXT, "--seq_length", 512, "--num_samples", 12, "--desc_act")
     return str(dst)
 
 
@@ -85,16 +85,14 @@ def test_perplexity_matches_transformers(smollm2_dir, hf_smollm2, eval_ids):
 
 @pytest.mark.smollm2
 def test_quantized_perplexity(perplexities):
-    """int4 group 64 on a fixed held-out text: GPTQ beats RTN; both stay close to the dense model.
-    Measured values are in README.md (int4 section)."""
+    """Symmetric int4, group 64, on a fixed held-out text. Measured on the 2-core CPU (BENCHMARKS.md):
+    dense 25.05, RTN 34.96 (+39.6%), GPTQ with act-order 30.92 (+23.4%). The bounds are those numbers
+    plus a margin (regression guards); the issue's targets (+15% / +8%) are not reached on this model."""
     dense, rtn, gptq = perplexities["dense"], perplexities["rtn"], perplexities["gptq"]
     print(f"perplexity dense {dense:.3f}, rtn {rtn:.3f} ({rtn / dense - 1:+.1%}), gptq {gptq:.3f} ({gptq / dense - 1:+.1%})")
-    assert gptq < rtn
-    assert rtn / dense < RTN_MAX_RATIO and gptq / dense < GPTQ_MAX_RATIO
-
-
-RTN_MAX_RATIO = 1.45
-GPTQ_MAX_RATIO = 1.30
+    assert 20 < dense < 30
+    assert gptq < 0.93 * rtn  # GPTQ's error feedback is worth > 7% perplexity here
+    assert rtn / dense < 1.45 and gptq / dense < 1.28
 
 
 @pytest.mark.smollm2
@@ -102,7 +100,7 @@ def test_gptq_output_is_a_standard_gptq_checkpoint(gptq_dir, smollm2_dir):
     with open(os.path.join(gptq_dir, "config.json")) as f:
         qc = json.load(f)["quantization_config"]
     assert qc["quant_method"] == "gptq" and qc["bits"] == 4 and qc["group_size"] == GROUP and qc["sym"] is True
-    assert qc["desc_act"] is False and qc["checkpoint_format"] == "gptq"
+    assert qc["desc_act"] is True and qc["checkpoint_format"] == "gptq"
     for side in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert os.path.isfile(os.path.join(gptq_dir, side))
     with safe_open(os.path.join(gptq_dir, "model.safetensors"), "np") as f:
@@ -112,7 +110,8 @@ def test_gptq_output_is_a_standard_gptq_checkpoint(gptq_dir, smollm2_dir):
         dense_names = {n for n in names if not n.endswith(("qweight", "qzeros", "scales", "g_idx"))}
     assert qweight.dtype == np.int32 and qweight.shape == (576 // 8, 192)
     assert qzeros.shape == (576 // GROUP, 192 // 8) and scales.dtype == np.float16 and scales.shape == (9, 192)
-    assert np.array_equal(g_idx, np.arange(576) // GROUP)
+    # act-order: rows are assigned to groups in order of decreasing Hessian diagonal, 64 rows per group
+    assert sorted(np.bincount(g_idx).tolist()) == [GROUP] * 9 and not np.array_equal(g_idx, np.arange(576) // GROUP)
     assert np.all(int4.unpack_cols(qzeros) == 7)  # v1 stores the symmetric zero point 8 minus one
     assert "model.embed_tokens.weight" in dense_names and not any("proj" in n for n in dense_names)
     assert not any("qkv_proj" in n or "gate_up_proj" in n for n in names)  # split names, as AutoGPTQ writes
@@ -120,27 +119,37 @@ def test_gptq_output_is_a_standard_gptq_checkpoint(gptq_dir, smollm2_dir):
 
 @pytest.mark.smollm2
 def test_rtn_converter_equals_rtn_at_load(rtn_dir, smollm2_dir, eval_ids):
+    """Same codes; the checkpoint's scales are float16 (GPTQ's dtype), the load-time ones float32."""
     ids = eval_ids[:48]
-    np.testing.assert_allclose(_logits(_load(rtn_dir), ids),
-                               _logits(_load(smollm2_dir, quant="int4", group_size=GROUP), ids), rtol=0, atol=2e-4)
+    a, b = _load(rtn_dir), _load(smollm2_dir, quant="int4", group_size=GROUP)
+    for la, lb in zip(a.model.layers, b.model.layers):
+        for lin_a, lin_b in ((la.self_attn.qkv_proj, lb.self_attn.qkv_proj), (la.mlp.down_proj, lb.mlp.down_proj)):
+            np.testing.assert_array_equal(np.asarray(lin_a.qweight[...]), np.asarray(lin_b.qweight[...]))
+            np.testing.assert_allclose(np.asarray(lin_a.scales[...]), np.asarray(lin_b.scales[...]), rtol=1e-3)
+    assert helpers.rel_err(_logits(a, ids), _logits(b, ids)) < 5e-3
 
 
 @pytest.mark.smollm2
-def test_marlin_and_native_round_trips_keep_logits(gptq_dir, tmp_path, eval_ids):
+def test_marlin_and_native_round_trips_keep_logits(rtn_dir, gptq_dir, tmp_path, capsys, eval_ids):
+    """quantize → gptq --layout marlin (symmetric, no act-order: the RTN checkpoint) and → native (both)."""
     ids = eval_ids[:48]
-    ref = _logits(_load(gptq_dir), ids)
-    marlin, native = tmp_path / "marlin", tmp_path / "native"
-    _convert("gptq", "--src", gptq_dir, "--dst", marlin, "--layout", "marlin")
-    _convert("gptq", "--src", gptq_dir, "--dst", native)
-    assert os.listdir(marlin).count("model_gptq.safetensors") == 1 and is_native(str(native))
+    marlin = tmp_path / "marlin"
+    _convert("gptq", "--src", rtn_dir, "--dst", marlin, "--layout", "marlin")
+    assert "CPM.cu only runs group 128" in capsys.readouterr().err
+    assert "model_gptq.safetensors" in os.listdir(marlin)
     with safe_open(os.path.join(marlin, "model_gptq.safetensors"), "np") as f:
         qkv = f.get_tensor("model.layers.0.self_attn.qkv_proj.qweight")
         assert qkv.shape == (576 // 16, 2 * (576 + 2 * 192))  # fused, Marlin-packed
         assert "model.layers.0.self_attn.q_proj.qweight" not in set(f.keys())
-    for path in (marlin, native):
-        model = _load(str(path))
-        assert model.quant is not None and model.quant.group_size == GROUP
-        np.testing.assert_array_equal(_logits(model, ids), ref)
+    model = _load(str(marlin))
+    assert model.quant is not None and model.quant.group_size == GROUP
+    np.testing.assert_array_equal(_logits(model, ids), _logits(_load(rtn_dir), ids))
+    assert "act-order" in _fails(capsys, "gptq", "--src", gptq_dir, "--dst", tmp_path / "m2", "--layout", "marlin")
+    native = tmp_path / "native"
+    _convert("gptq", "--src", gptq_dir, "--dst", native)
+    model = _load(str(native))
+    assert is_native(str(native)) and model.quant.act_order
+    np.testing.assert_array_equal(_logits(model, ids), _logits(_load(gptq_dir), ids))
 
 
 @pytest.mark.smollm2
