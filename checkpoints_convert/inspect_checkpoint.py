@@ -10,7 +10,8 @@ import numpy as np
 
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.errors import MiniCPMError
-from minicpm_jax.weights import is_native, native_metadata, safetensors_files
+from minicpm_jax.weights import is_native, native_metadata, native_quant, resolve_tied_head, safetensors_files
+from minicpm_jax.weights_int4 import checkpoint_quant
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I32": "int32", "I8": "int8",
                        "U8": "uint8", "I64": "int64", "F64": "float64", "BOOL": "bool"}
@@ -49,7 +50,18 @@ def inspect(path: str) -> dict:
         config = ModelConfig.from_pretrained(path)  # validates / raises clear errors
         fmt = "native" if is_native(path) else "hf-safetensors"
         tensors = native_metadata(path) if fmt == "native" else _hf_tensors(path)
-    count = int(sum(np.prod(shape) for shape, _ in tensors.values()))
+    int4 = None
+    if fmt == "native":
+        spec = native_quant(path)
+        int4 = None if spec is None else dict(spec.to_dict(), stored="native")
+    elif fmt == "hf-safetensors":
+        files = safetensors_files(path)
+        ck = checkpoint_quant(path, resolve_tied_head(config, set(files)), files)
+        int4 = None if ck is None else dict(ck.spec.to_dict(), stored=ck.checkpoint_format)
+        if int4:
+            int4.pop("layout")
+    # int4 tensors pack 8 (GPTQ) codes per element: count the model's weights from its config instead
+    count = config.num_params if int4 else int(sum(np.prod(shape) for shape, _ in tensors.values()))
     dtypes: dict[str, int] = {}
     for _, dt in tensors.values():
         dtypes[dt] = dtypes.get(dt, 0) + 1
@@ -66,6 +78,7 @@ def inspect(path: str) -> dict:
         "parameters": count,
         "tensor_dtypes": dtypes,
         "quantization": config.quantization,
+        "int4": int4,
         "sparse": None if config.sparse is None else dataclasses.asdict(config.sparse),
         "tensors": {name: {"shape": list(shape), "dtype": dt} for name, (shape, dt) in sorted(tensors.items())},
     }
@@ -81,6 +94,7 @@ def format_summary(info: dict, show_tensors: bool = True) -> str:
         f"parameters:    {info['parameters']:,} ({info['parameters'] / 1e9:.3f} B)",
         f"tensor dtypes: {', '.join(f'{k} x{v}' for k, v in sorted(info['tensor_dtypes'].items()))}",
         f"quantization:  {json.dumps(info['quantization']) if info['quantization'] else 'none'}",
+        f"int4 weights:  {json.dumps(info['int4']) if info['int4'] else 'none'}",
         f"sparse:        {json.dumps(info['sparse']) if info['sparse'] else 'none'}",
     ]
     if show_tensors:

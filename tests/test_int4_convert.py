@@ -219,3 +219,9 @@ def test_asym_rtn_checkpoint_round_trips_through_native(tiny_ckpt, tmp_path):
     np.testing.assert_array_equal(a, b)
     dense = _logits(load_model(src, dtype=jnp.float32, max_length=64), ids)
     assert 1e-4 < helpers.rel_err(a, dense) < 0.2  # quantized, and still the same model
+    from checkpoints_convert.inspect_checkpoint import inspect
+
+    gptq, native = inspect(str(tmp_path / "q")), inspect(str(tmp_path / "n"))
+    assert gptq["int4"] == {"group_size": 32, "sym": False, "act_order": False, "stored": "gptq_v2"}
+    assert native["int4"]["stored"] == "native" and native["format"] == "native"
+    assert gptq["parameters"] == native["parameters"] == inspect(src)["parameters"]  # weights, not packed words
