@@ -67,7 +67,7 @@ def convert_hf(src: str, dst: str, *, dtype: str = "auto", overwrite: bool = Fal
                            "make one with `python -m checkpoints_convert quantize`")
     jdtype = _source_dtype(files) if dtype == "auto" else jnp.dtype(dtype)
     with jax.default_device(jax.devices("cpu")[0]):
-        model = abstract_model(config, max_length=2, dtype=jdtype, quant=None if quant is None else quant.spec)
+        model = abstract_model(config, max_length=2, dtype=jdtype, sparse="off", quant=None if quant is None else quant.spec)
         params = load_hf_params(src, config, jdtype, files, quant)
         total = len(nnx.to_flat_state(nnx.state(model, nnx.Param)))
         model = fill_model(model, tqdm(params, total=total, desc="reading", unit="param", disable=not progress))

@@ -149,7 +149,8 @@ def quantize_checkpoint(src: str, dst: str, *, method: str = "gptq", group_size:
         raise MiniCPMError(f"{src} is already quantized; quantize a dense (bf16/fp16/fp32) checkpoint")
     for k in {config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim}:
         spec.rows_per_group(k)
-    model = load_model(src, dtype=jnp.float32, attention_impl="xla", max_length=max(settings.seq_length, 2))
+    model = load_model(src, dtype=jnp.float32, attention_impl="xla", max_length=max(settings.seq_length, 2),
+                       sparse="off")  # calibration layers run on plain KV caches
     if method == "rtn":
         linears = rtn_weights(model, spec)
     else:

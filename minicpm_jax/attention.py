@@ -14,11 +14,12 @@ import jax
 from flax import nnx
 
 from minicpm_jax.cache import KVCache
-from minicpm_jax.config import ModelConfig
+from minicpm_jax.config import ModelConfig, SparseConfig
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.layers import make_linear
 from minicpm_jax.quant import QuantSpec
 from minicpm_jax.rope import apply_rope, rope_frequencies
+from minicpm_jax.sparse import dense_or_sparse, extend_compressed, rope_inverse, sparse_attention
 from pallas_kernels.attention import (
     MAX_DECODE_QUERIES,
     attention_reference,
@@ -67,12 +68,13 @@ class Attention(nnx.Module):
 
     def __init__(
         self, config: ModelConfig, layer: int, *, max_length: int, attention_impl: str, rngs: nnx.Rngs, dtype,
-        quant: QuantSpec | None = None,
+        quant: QuantSpec | None = None, sparse: SparseConfig | None = None,
     ):
         self.config = config
         self.layer = layer
         self.max_length = max_length
         self.attention_impl = attention_impl
+        self.sparse = sparse
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         linear = dict(impl=attention_impl, rngs=rngs, dtype=dtype)
         self.qkv_proj = make_linear(config.hidden_size, qkv_out, quant, **linear)
@@ -90,10 +92,22 @@ class Attention(nnx.Module):
         k = qkv[..., nq : nq + nkv].reshape(b, t, cfg.num_kv_heads, d)
         v = qkv[..., nq + nkv :].reshape(b, t, cfg.num_kv_heads, d)
         inv_freq, rope_scale = rope_frequencies(cfg.rope, d, self.max_length, cfg.max_position_embeddings)
+        q_nope = q
         q = apply_rope(q, positions, inv_freq, rope_scale)
         k = apply_rope(k, positions, inv_freq, rope_scale)
         cache = cache.write(self.layer, k, v, positions, valid)
         attend = get_attention_impl(self.attention_impl)
         # The stacked cache goes in whole: kernels read this layer's slice in place.
-        out = attend(q, cache.k, cache.v, positions, kv_lengths, scale=d**-0.5, layer=self.layer)
+        dense = lambda: attend(q, cache.k, cache.v, positions, kv_lengths, scale=d**-0.5, layer=self.layer)  # noqa: E731
+        if self.sparse is None:
+            out = dense()
+        else:
+            sp = self.sparse
+            unrotate = rope_inverse(inv_freq, rope_scale) if sp.use_nope else None
+            cache = extend_compressed(cache, self.layer, positions[:, 0], kv_lengths, sp, max_tokens=t,
+                                      unrotate=unrotate)
+            sparse_fn = lambda: sparse_attention(  # noqa: E731
+                q, q_nope if sp.use_nope else q, cache, self.layer, positions, kv_lengths, sp, scale=d**-0.5,
+                impl=self.attention_impl)
+            out = dense_or_sparse(dense, sparse_fn, kv_lengths, sp.dense_len)
         return self.o_proj(out.reshape(b, t, nq)), cache

@@ -21,6 +21,12 @@ Scenarios (``--scenarios``, comma-separated):
   ``bench_int4``). e2e rows for int4 weights come from ``--quants none,int4`` (random int4 weights,
   group ``--quant_group_size``; the decode roofline then counts int4 codes + scales).
 
+* ``sparse`` — InfLLM-v2 attention of one layer against the dense Pallas kernels: the whole prefill of
+  ``--sparse_prefill_contexts`` prompts in ``--chunk_length`` chunks, and one-token decode at
+  ``--sparse_decode_contexts`` (see ``bench_sparse``). e2e rows with sparse attention come from
+  ``--sparse_modes off,on`` (the shape's sparse_config, else MiniCPM4's), with the KV + compressed cache
+  bytes and the peak GPU memory.
+
 ``--peer hf`` first runs HF transformers (PyTorch, same GPU, same shape, random weights; see
 ``bench_hf``) on the e2e contexts, in a subprocess before JAX takes the GPU, and adds its rows and our
 ratio to it. Writes JSON (``--json_out``) and markdown (``--markdown_out``); prints the markdown last;
@@ -43,7 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from minicpm_jax.config import ModelConfig
+from minicpm_jax.bench_sparse import bench_sparse, sparse_markdown
+from minicpm_jax.cache import KVCache
+from minicpm_jax.config import ModelConfig, SparseConfig
 from minicpm_jax.engine import Engine
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.bench_int4 import bench_int4, int4_markdown, linear_shapes
@@ -73,9 +81,9 @@ SHAPES = {
 }
 
 FLAGS = flags.FLAGS
-SCENARIOS = ("e2e", "kernels", "load", "int4")
+SCENARIOS = ("e2e", "kernels", "load", "int4", "sparse")
 flags.DEFINE_list("scenarios", ["e2e"], "Which benchmarks: e2e (prefill + decode), kernels (attention), load, "
-                  "int4 (dequant-GEMM).")
+                  "int4 (dequant-GEMM), sparse (InfLLM-v2 attention vs dense).")
 flags.DEFINE_enum("shape", "minicpm4-8b", list(SHAPES), "Model shape (random weights).")
 flags.DEFINE_string("scratch_dir", "/tmp/minicpm_jax_bench", "Where the load scenario writes its checkpoints.")
 flags.DEFINE_list("contexts", ["1024"], "e2e: context lengths (prompt tokens before decoding).")
@@ -84,6 +92,10 @@ flags.DEFINE_list("quants", ["none"], "e2e: weight formats to run (none = dense 
 flags.DEFINE_integer("quant_group_size", 128, "e2e and int4: int4 scale group size.")
 flags.DEFINE_list("int4_ms", ["1", "16", "64"], "int4: activation rows (1 = decode GEMV; 16/64 = tree verify, batches).")
 flags.DEFINE_list("int4_layouts", ["kpacked", "marlin"], "int4: weight layouts to time.")
+flags.DEFINE_list("sparse_modes", ["off"], "e2e: InfLLM-v2 modes to run (off = dense attention, on = the checkpoint's "
+                  "or MiniCPM4's sparse_config), one row each.")
+flags.DEFINE_list("sparse_prefill_contexts", ["32768", "65536", "131072"], "sparse: prompt lengths.")
+flags.DEFINE_list("sparse_decode_contexts", ["8192", "32768", "131072"], "sparse: cache lengths for decode.")
 flags.DEFINE_list("prefill_contexts", ["2048", "8192", "32768"], "kernels: causal prompt lengths.")
 flags.DEFINE_list("decode_contexts", ["1024", "8192", "32768", "131072"], "kernels: cache lengths for decode.")
 flags.DEFINE_integer("batch_size", 1, "Sequences decoded together.")
@@ -159,12 +171,12 @@ def prefill_flops_per_token(config: ModelConfig, context: int) -> float:
 
 
 def random_model(config: ModelConfig, max_length: int, dtype, attention_impl: str = "auto",
-                 quant: QuantSpec | None = None) -> MiniCPMForCausalLM:
+                 quant: QuantSpec | None = None, sparse: str = "off") -> MiniCPMForCausalLM:
     """Random-weight model created directly on the default device (the same weights for every impl)."""
     from flax import nnx
 
     return MiniCPMForCausalLM(config, max_length=max_length, dtype=dtype, attention_impl=attention_impl,
-                              rngs=nnx.Rngs(0), quant=quant)
+                              rngs=nnx.Rngs(0), quant=quant, sparse=sparse)
 
 
 @dataclasses.dataclass
@@ -179,6 +191,9 @@ class Row:
     decode_ms_per_token: list[float]
     roofline_ms: float
     prefill_roofline_tok_s: float
+    sparse: str = "off"
+    cache_bytes: int = 0
+    peak_bytes: int | None = None
 
     @property
     def decode_ms(self) -> float:
@@ -192,13 +207,14 @@ class Row:
 def bench_end_to_end(shape: str, contexts: list[int], batch_size: int, decode_steps: int, decode_block: int,
                      chunk_length: int, dtype, repeats: int, bandwidth: float, flops: float,
                      max_length: int | None = None, dump_hlo: str | None = None,
-                     attention_impl: str = "auto", quant: QuantSpec | None = None) -> list[Row]:
+                     attention_impl: str = "auto", quant: QuantSpec | None = None, sparse: str = "off") -> list[Row]:
     config = ModelConfig.from_dict(SHAPES[shape])
     max_length = max_length or max(contexts) + decode_steps + 8
     if max_length < max(contexts) + decode_steps:
         raise MiniCPMError(f"--max_length {max_length} is too small for context {max(contexts)} + {decode_steps} steps")
-    model = random_model(config, max_length, dtype, attention_impl, quant)
+    model = random_model(config, max_length, dtype, attention_impl, quant, sparse)
     impl = model.attention_impl
+    cache_bytes = KVCache.nbytes(config, batch_size, max_length, dtype, model.sparse)
     qname = "none" if quant is None else f"int4 g{quant.group_size}"
     engine = Engine(model, batch_size=batch_size, chunk_length=min(chunk_length, max_length), decode_block=decode_block)
     itemsize = jnp.dtype(dtype).itemsize
@@ -222,8 +238,10 @@ def bench_end_to_end(shape: str, contexts: list[int], batch_size: int, decode_st
         kv_bytes = 2 * config.num_layers * batch_size * config.num_kv_heads * ctx * config.head_dim * itemsize
         roofline_ms = 1e3 * (wbytes + kv_bytes) / bandwidth
         prefill_roof = flops / prefill_flops_per_token(config, ctx)
-        rows.append(Row(shape, impl, qname, ctx, batch_size, max_length, pre, dec, roofline_ms, prefill_roof))
-        print(f"  {shape} {impl} {qname} ctx={ctx}: decode {dec} ms/token (roofline {roofline_ms:.3f} ms), prefill {pre} tok/s",
+        stats = jax.devices()[0].memory_stats() or {}
+        rows.append(Row(shape, impl, qname, ctx, batch_size, max_length, pre, dec, roofline_ms, prefill_roof, sparse,
+                        cache_bytes, stats.get("peak_bytes_in_use")))
+        print(f"  {shape} {impl} {qname} sparse={sparse} ctx={ctx}: decode {dec} ms/token (roofline {roofline_ms:.3f} ms), prefill {pre} tok/s",
               file=sys.stderr)
     return rows
 
@@ -427,9 +445,9 @@ def _peer_row(peer: dict | None, attn: str, ctx: int) -> dict | None:
 
 def markdown(rows: list[Row], bandwidth: float, flops: float, device: str, peer: dict | None = None) -> str:
     attns = sorted({r["attn"] for r in (peer or {}).get("rows", [])})
-    head = ("| shape | attention | weights | batch | context | max_length | decode ms/token (runs) | roofline ms | "
-            "% of roofline | decode vs dense | prefill tok/s (runs) | % of matmul roofline |")
-    sep = "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    head = ("| shape | attention | weights | sparse | batch | context | max_length | decode ms/token (runs) | roofline ms | "
+            "% of roofline | decode vs dense | prefill tok/s (runs) | % of matmul roofline | KV cache GB | peak GPU GB |")
+    sep = "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     for a in attns:
         head += f" HF {a} decode ms/token | ours vs HF {a} decode | HF {a} prefill tok/s |"
         sep += "---|---|---|"
@@ -443,11 +461,13 @@ def markdown(rows: list[Row], bandwidth: float, flops: float, device: str, peer:
         runs = ", ".join(f"{x:.3f}" for x in r.decode_ms_per_token)
         pre = ", ".join(f"{x:,.0f}" for x in r.prefill_tok_s)
         pct_pre = 100 * statistics.median(r.prefill_tok_s) / r.prefill_roofline_tok_s
-        dense = [d for d in rows if d.quant == "none" and (d.attention_impl, d.context) == (r.attention_impl, r.context)]
+        dense = [d for d in rows if d.quant == "none" and d.sparse == "off"
+                 and (d.attention_impl, d.context) == (r.attention_impl, r.context)]
         vs_dense = f"{dense[0].decode_ms / r.decode_ms:.2f}x" if dense else "n/a"
-        line = (f"| {r.shape} | {r.attention_impl} | {r.quant} | {r.batch_size} | {r.context} | {r.max_length} | "
-                f"{r.decode_ms:.3f} ({runs}) | {r.roofline_ms:.3f} | {r.pct_roofline:.1f}% | {vs_dense} | {pre} | "
-                f"{pct_pre:.1f}% |")
+        peak = "n/a" if r.peak_bytes is None else f"{r.peak_bytes / 1e9:.1f}"
+        line = (f"| {r.shape} | {r.attention_impl} | {r.quant} | {r.sparse} | {r.batch_size} | {r.context} | "
+                f"{r.max_length} | {r.decode_ms:.3f} ({runs}) | {r.roofline_ms:.3f} | {r.pct_roofline:.1f}% | {vs_dense} | "
+                f"{pre} | {pct_pre:.1f}% | {r.cache_bytes / 1e9:.2f} | {peak} |")
         for a in attns:
             p = _peer_row(peer, a, r.context)
             if p is None or not p["decode_ms_per_token"]:
@@ -563,6 +583,9 @@ def _main():
     bad_layout = set(FLAGS.int4_layouts) - {"kpacked", "marlin"}
     if bad_layout:
         raise MiniCPMError(f"--int4_layouts: unknown {', '.join(sorted(bad_layout))} (choose from kpacked, marlin)")
+    bad_sparse = set(FLAGS.sparse_modes) - {"off", "on", "auto"}
+    if bad_sparse:
+        raise MiniCPMError(f"--sparse_modes: unknown {', '.join(sorted(bad_sparse))} (choose from off, on, auto)")
     bad_impl = set(FLAGS.attention_impls) - {"auto", "xla", "pallas"}
     if bad_impl:
         raise MiniCPMError(f"--attention_impls: unknown {', '.join(sorted(bad_impl))} (choose from auto, xla, pallas)")
@@ -593,16 +616,24 @@ def _main():
         result["int4"] = bench_int4(config, _int_list("int4_ms", FLAGS.int4_ms), FLAGS.int4_layouts,
                                     quant_spec.group_size, FLAGS.repeats)
         tables.append(int4_markdown(result["int4"], bandwidth))
+    if "sparse" in FLAGS.scenarios:
+        config = ModelConfig.from_dict(SHAPES[FLAGS.shape])
+        result["sparse"] = bench_sparse(config, config.sparse or SparseConfig(),
+                                        _int_list("sparse_prefill_contexts", FLAGS.sparse_prefill_contexts),
+                                        _int_list("sparse_decode_contexts", FLAGS.sparse_decode_contexts),
+                                        FLAGS.chunk_length, dtype, FLAGS.repeats)
+        tables.append(sparse_markdown(result["sparse"]))
     if "e2e" in FLAGS.scenarios:
         rows = []
         dump_hlo = FLAGS.dump_hlo
         for quant in FLAGS.quants:
             for impl in FLAGS.attention_impls:
-                rows += bench_end_to_end(FLAGS.shape, contexts, FLAGS.batch_size, FLAGS.decode_steps,
-                                         FLAGS.decode_block, FLAGS.chunk_length, dtype, FLAGS.repeats, bandwidth, flops,
-                                         FLAGS.max_length, dump_hlo, attention_impl=impl,
-                                         quant=quant_spec if quant == "int4" else None)
-                dump_hlo = None
+                for sparse in FLAGS.sparse_modes:
+                    rows += bench_end_to_end(FLAGS.shape, contexts, FLAGS.batch_size, FLAGS.decode_steps,
+                                             FLAGS.decode_block, FLAGS.chunk_length, dtype, FLAGS.repeats, bandwidth,
+                                             flops, FLAGS.max_length, dump_hlo, attention_impl=impl,
+                                             quant=quant_spec if quant == "int4" else None, sparse=sparse)
+                    dump_hlo = None
         result["rows"] = [dict(dataclasses.asdict(r), pct_roofline=r.pct_roofline) for r in rows]
         tables.append(markdown(rows, bandwidth, flops, device, result.get("peer")))
     text = "\n\n".join(tables)

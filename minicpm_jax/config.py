@@ -46,6 +46,46 @@ class SparseConfig:
     use_nope: bool = False
     dense_len: int = 8192
 
+    @property
+    def local_blocks(self) -> int:
+        """Blocks of the sliding window before the query's own block (HF: ``window_size // block_size``)."""
+        return self.window_size // self.block_size
+
+    @property
+    def num_selected(self) -> int:
+        """Blocks each (query, KV head) attends to at most: ``topk`` plus the local window (HF counts the
+        init and local blocks inside this budget by scoring them +inf)."""
+        return self.topk + self.local_blocks
+
+    @property
+    def kernel_size2(self) -> int:
+        """Window of the coarse (LSE) compression: 4x ``kernel_size``."""
+        return 4 * self.kernel_size
+
+    @property
+    def kernel_stride2(self) -> int:
+        """Stride of the coarse (LSE) compression: 4x ``kernel_stride``."""
+        return 4 * self.kernel_stride
+
+    @property
+    def pool_ratio(self) -> int:
+        """Fine compressed keys per block (4 for MiniCPM4: block 64 / stride 16)."""
+        return self.block_size // self.kernel_stride
+
+    def check(self) -> "SparseConfig":
+        """Raises MiniCPMError unless the block-selection geometry is one the kernels implement."""
+        s = self
+        if min(s.kernel_size, s.kernel_stride, s.block_size, s.topk, s.dense_len) < 1:
+            raise MiniCPMError(
+                "sparse_config: kernel_size, kernel_stride, block_size, topk and dense_len must be >= 1, got "
+                f"{s.kernel_size}, {s.kernel_stride}, {s.block_size}, {s.topk}, {s.dense_len}")
+        if s.kernel_size != 2 * s.kernel_stride or s.block_size % s.kernel_stride:
+            raise MiniCPMError(
+                "sparse_config: InfLLM-v2 needs kernel_size == 2 * kernel_stride and block_size a multiple of "
+                f"kernel_stride (MiniCPM4: 32, 16, 64); got kernel_size={s.kernel_size}, "
+                f"kernel_stride={s.kernel_stride}, block_size={s.block_size}")
+        return s
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:

@@ -166,7 +166,7 @@ class Engine:
         self.chunk_length = min(chunk_length, self.max_length)
         self.decode_block = decode_block
         self.graphdef, self.state = nnx.split(model)
-        self.cache = KVCache.create(self.config, batch_size, self.max_length, model.dtype)
+        self.cache = model.new_cache(batch_size)
         self.history: list[list[int]] = [[] for _ in range(batch_size)]  # tokens whose KV each row holds
         # Jitted steps with the static parts bound; compiled ahead of time per shape (see _executable) so
         # compilation is timed apart from prefill and decode.

@@ -6,26 +6,31 @@ rather than scanned so XLA streams every weight matrix straight into its GEMV at
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from minicpm_jax.attention import Attention, resolve_attention_impl
 from minicpm_jax.cache import KVCache
-from minicpm_jax.config import ModelConfig
+from minicpm_jax.config import ModelConfig, SparseConfig
+from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.layers import MLP, Embed, Linear, RMSNorm
 from minicpm_jax.quant import QuantSpec
+from minicpm_jax.sparse import resolve_sparse
 
 
 class DecoderLayer(nnx.Module):
     """``x += s·attn(norm(x)); x += s·mlp(norm(x))`` with ``s = scale_depth/sqrt(num_layers)``."""
 
     def __init__(self, config: ModelConfig, layer: int, *, max_length: int, attention_impl: str, rngs, dtype,
-                 quant: QuantSpec | None):
+                 quant: QuantSpec | None, sparse: SparseConfig | None):
         self.residual_scale = config.residual_scale
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(
-            config, layer, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype, quant=quant
+            config, layer, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype, quant=quant,
+            sparse=sparse,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, rngs=rngs, dtype=dtype, quant=quant,
@@ -41,12 +46,12 @@ class DecoderLayer(nnx.Module):
 class MiniCPMModel(nnx.Module):
     """Embedding, decoder layers and final norm (the checkpoint's ``model.`` prefix)."""
 
-    def __init__(self, config: ModelConfig, *, max_length: int, attention_impl: str, rngs, dtype, quant):
+    def __init__(self, config: ModelConfig, *, max_length: int, attention_impl: str, rngs, dtype, quant, sparse):
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, dtype=dtype)
         self.layers = nnx.List(
             [
                 DecoderLayer(config, i, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype,
-                             quant=quant)
+                             quant=quant, sparse=sparse)
                 for i in range(config.num_layers)
             ]
         )
@@ -65,6 +70,9 @@ class MiniCPMForCausalLM(nnx.Module):
       rngs: random initialisation; None gives zeros (weights about to be loaded by ``weights.load_model``).
       quant: int4 decoder linears (:class:`~minicpm_jax.quant.QuantSpec`), or None for dense weights. The
         int4 matmul follows ``attention_impl``: the Pallas dequant-GEMM, or its jnp reference for ``xla``.
+      sparse: InfLLM-v2 sparse attention: ``"auto"`` (the checkpoint's ``sparse_config``), ``"on"``,
+        ``"off"``/None, or a :class:`~minicpm_jax.config.SparseConfig` (see
+        :func:`~minicpm_jax.sparse.resolve_sparse`). Its caches need :meth:`new_cache`.
     """
 
     def __init__(
@@ -76,17 +84,24 @@ class MiniCPMForCausalLM(nnx.Module):
         dtype=jnp.float32,
         rngs: nnx.Rngs | None = None,
         quant: QuantSpec | None = None,
+        sparse: str | SparseConfig | None = "auto",
     ):
         attention_impl = resolve_attention_impl(attention_impl, config.head_dim)
+        sparse = resolve_sparse(config, sparse)
+        self.sparse = sparse
         self.config = config
         self.attention_impl = attention_impl
         self.max_length = max_length
         self.dtype = jnp.dtype(dtype)
         self.quant = quant
         self.model = MiniCPMModel(config, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype,
-                                  quant=quant)
+                                  quant=quant, sparse=sparse)
         if not config.tied_head:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, rngs=rngs, dtype=dtype)
+
+    def new_cache(self, batch_size: int, max_length: int | None = None) -> KVCache:
+        """An empty :class:`KVCache` for this model (its dtype; compressed keys when sparse)."""
+        return KVCache.create(self.config, batch_size, max_length or self.max_length, self.dtype, self.sparse)
 
     def forward(
         self, tokens: jax.Array, cache: KVCache, num_valid: jax.Array | None = None
@@ -100,6 +115,8 @@ class MiniCPMForCausalLM(nnx.Module):
         b, t = tokens.shape
         if num_valid is None:
             num_valid = jnp.full((b,), t, jnp.int32)
+        if self.sparse is not None and cache.k1 is None:
+            raise MiniCPMError("this model uses InfLLM-v2 sparse attention: make its cache with model.new_cache(...)")
         steps = jnp.arange(t, dtype=jnp.int32)
         positions = cache.lengths[:, None] + steps[None, :]
         valid = steps[None, :] < num_valid[:, None]
@@ -107,7 +124,7 @@ class MiniCPMForCausalLM(nnx.Module):
         x = self.model.embed_tokens(tokens).astype(self.dtype) * jnp.asarray(self.config.scale_emb, self.dtype)
         for layer in self.model.layers:
             x, cache = layer(x, positions, valid, cache, kv_lengths)
-        cache = KVCache(k=cache.k, v=cache.v, lengths=kv_lengths)
+        cache = dataclasses.replace(cache, lengths=kv_lengths)
         return self.model.norm(x), cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:

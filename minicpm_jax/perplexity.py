@@ -47,7 +47,7 @@ def negative_log_likelihood(model, ids: list[int] | np.ndarray, *, context: int,
         window = ids[start : start + context]
         if len(window) < 2:
             break
-        cache = KVCache.create(model.config, 1, model.max_length, model.dtype)
+        cache = model.new_cache(1)
         for c0 in range(0, len(window), chunk):
             part = window[c0 : c0 + chunk]
             nxt = window[c0 + 1 : c0 + chunk + 1]

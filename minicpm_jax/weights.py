@@ -29,10 +29,11 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 
 from minicpm_jax import weights_int4
-from minicpm_jax.config import ModelConfig
+from minicpm_jax.config import ModelConfig, SparseConfig
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model import MiniCPMForCausalLM
 from minicpm_jax.quant import QUANT_CHOICES, CheckpointQuant, QuantSpec
+from minicpm_jax.sparse import resolve_sparse
 
 ParamPath = tuple  # an NNX state path, e.g. ("model", "layers", 0, "mlp", "down_proj", "kernel")
 NATIVE_KEY = "minicpm_jax"  # config.json entry that marks a native checkpoint
@@ -332,7 +333,8 @@ def load_native_params(path: str, model: MiniCPMForCausalLM) -> Iterator[tuple[P
 
 def load_model(
     path: str | os.PathLike, *, dtype=jnp.bfloat16, max_length: int = 4096, attention_impl: str = "auto",
-    quant: str = "auto", group_size: int = 128,
+    quant: str = "auto", group_size: int = 128, sparse: str | SparseConfig | None = "auto",
+    sparse_overrides: dict | None = None,
 ) -> MiniCPMForCausalLM:
     """Loads a Hugging Face checkpoint directory (``config.json`` + safetensors; dense, GPTQ or
     marlin-cpmcu) or a native one.
@@ -342,6 +344,8 @@ def load_model(
     quant: ``auto`` keeps the checkpoint's weights as they are (int4 stays int4), ``none`` dequantizes an
       int4 checkpoint, ``int4`` quantizes a dense one at load time (round-to-nearest, ``group_size`` rows
       per scale group; use ``checkpoints_convert quantize --method gptq`` for better accuracy).
+    sparse, sparse_overrides: InfLLM-v2 mode (``auto``/``on``/``off`` or a SparseConfig) and field
+      overrides (``topk``, ``window_size``, ``dense_len``), see :func:`minicpm_jax.sparse.resolve_sparse`.
     """
     path = os.fspath(path)
     if quant not in QUANT_CHOICES:
@@ -349,7 +353,8 @@ def load_model(
     config = ModelConfig.from_pretrained(path)
     if max_length < 2:
         raise MiniCPMError(f"max_length must be at least 2, got {max_length}")
-    kwargs = dict(max_length=max_length, attention_impl=attention_impl, dtype=dtype)
+    sparse = resolve_sparse(config, sparse, **(sparse_overrides or {}))
+    kwargs = dict(max_length=max_length, attention_impl=attention_impl, dtype=dtype, sparse=sparse)
     if is_native(path):
         model = abstract_model(config, quant=native_quant(path), **kwargs)
         model = fill_model(model, load_native_params(path, model))

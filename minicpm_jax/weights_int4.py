@@ -223,7 +223,7 @@ def convert_model(model, quant: QuantSpec | None):
     if quant is not None:
         quant = dataclasses.replace(quant, act_order=False)
     target = abstract_model(model.config, max_length=model.max_length, attention_impl=model.attention_impl,
-                            dtype=model.dtype, quant=quant)
+                            dtype=model.dtype, quant=quant, sparse=model.sparse)
 
     def params():
         linears = dict(_linear_modules(model))

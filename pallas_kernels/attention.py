@@ -107,8 +107,9 @@ def attention_reference(
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-def _attend_block(q, k_ref, v_ref, start, carry, *, qk_scale, block_k, pos=None, kv_len=None):
-    """One online-softmax step over keys ``[start, start + block_k)``; masked iff ``pos`` is given.
+def _attend_block(q, k_ref, v_ref, start, carry, *, qk_scale, block_k, pos=None, kv_len=None, lo=None):
+    """One online-softmax step over keys ``[start, start + block_k)``; masked iff ``pos`` is given (keys
+    past ``pos`` per row, at or past ``kv_len``, and below ``lo`` if given, are invisible).
 
     q ``[M, D]``; carry = (acc fp32 ``[M, D]``, running max ``[M]`` (log2 units), running sum ``[M]``).
     """
@@ -120,6 +121,8 @@ def _attend_block(q, k_ref, v_ref, start, carry, *, qk_scale, block_k, pos=None,
     else:
         key = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         in_range = key < kv_len
+        if lo is not None:
+            in_range = in_range & (key >= lo)
         k = plt.load(k_ref.at[rows, :], mask=in_range[:, None], other=0.0)
         v = plt.load(v_ref.at[rows, :], mask=in_range[:, None], other=0.0)
     # fp32 inputs get full-precision dots (Triton would use TF32); bf16 runs on the tensor cores as is.

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from minicpm_jax.cache import KVCache
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.engine import Engine
 from minicpm_jax.model import MiniCPMForCausalLM
@@ -180,7 +179,7 @@ def test_model_logits_pallas_equal_xla(dtype):
     steps = [jnp.asarray(rng.integers(0, models[0].config.vocab_size, (2, 1)), jnp.int32) for _ in range(3)]
     logits = []
     for model in models:
-        cache = KVCache.create(model.config, 2, 96, model.dtype)
+        cache = model.new_cache(2, 96)
         fwd = jax.jit(lambda m, tok, c, n: m(tok, c, n)[::2])
         outs = []
         for i, chunk in enumerate(chunks):

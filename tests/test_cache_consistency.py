@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from minicpm_jax.cache import KVCache
 from minicpm_jax.engine import Engine
 from minicpm_jax.sampling import SamplingParams
 from minicpm_jax.weights import load_model
@@ -20,7 +19,7 @@ def model(tiny_ckpt):
 
 
 def _full_logits(model, ids):
-    cache = KVCache.create(model.config, 1, MAX_LEN, jnp.float32)
+    cache = model.new_cache(1, MAX_LEN)
     logits, _, _ = model(jnp.asarray([ids], jnp.int32), cache)
     return np.asarray(logits[0])
 
@@ -28,7 +27,7 @@ def _full_logits(model, ids):
 def test_prefill_then_decode_equals_full_forward(model):
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, 40)
     full = _full_logits(model, ids)
-    cache = KVCache.create(model.config, 1, MAX_LEN, jnp.float32)
+    cache = model.new_cache(1, MAX_LEN)
     step = jax.jit(lambda m, c, x: m(x, c))
     logits, _, cache = step(model, cache, jnp.asarray([ids[:25]], jnp.int32))
     got = [np.asarray(logits[0])]

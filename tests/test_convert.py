@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import pytest
 
 from checkpoints_convert.common import atomic_output_dir
-from minicpm_jax.cache import KVCache
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.weights import is_native, load_model
 from tests import helpers
@@ -22,7 +21,7 @@ def _cli(*args, **kw):
 
 def _logits(path, ids):
     model = load_model(path, dtype=jnp.float32, max_length=64)
-    logits, _, _ = model(jnp.asarray([ids], jnp.int32), KVCache.create(model.config, 1, 64, jnp.float32))
+    logits, _, _ = model(jnp.asarray([ids], jnp.int32), model.new_cache(1, 64))
     return np.asarray(logits[0])
 
 

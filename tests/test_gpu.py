@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from minicpm_jax.cache import KVCache
 from minicpm_jax.engine import Engine
 from minicpm_jax.weights import load_model
 from pallas_kernels.attention import attention_reference, decode_attention, prefill_attention
@@ -30,7 +29,7 @@ def _logits(path, ids, dtype, device, **load_kw):
     with jax.default_device(device):
         model = load_model(path, dtype=dtype, max_length=128, attention_impl=_impl(device), **load_kw)
         assert model.attention_impl == _impl(device)
-        cache = KVCache.create(model.config, 1, 128, dtype)
+        cache = model.new_cache(1, 128)
         logits, _, _ = jax.jit(lambda m, c, x: m(x, c))(model, cache, jnp.asarray([ids], jnp.int32))
         return np.asarray(logits[0])
 

@@ -16,7 +16,6 @@ from safetensors import safe_open
 
 from checkpoints_convert.__main__ import main as convert_main
 from minicpm_jax import int4
-from minicpm_jax.cache import KVCache
 from minicpm_jax.perplexity import negative_log_likelihood, perplexity
 from minicpm_jax.weights import is_native, load_model
 from tests import helpers
@@ -33,7 +32,7 @@ def _convert(*args):
 
 
 def _logits(model, ids):
-    cache = KVCache.create(model.config, 1, model.max_length, model.dtype)
+    cache = model.new_cache(1)
     return np.asarray(model(jnp.asarray([ids], jnp.int32), cache)[0][0])
 
 

@@ -19,7 +19,6 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from minicpm_jax import int4
-from minicpm_jax.cache import KVCache
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.weights import load_model, save_native
 from tests import helpers
@@ -147,7 +146,7 @@ def write(path, tensors, quantization_config=None, cfg=CFG, filename="model.safe
 
 # ------------------------------------------------------------------------------------------ running
 def run_logits(model) -> np.ndarray:
-    cache = KVCache.create(model.config, 1, MAX_LENGTH, model.dtype)
+    cache = model.new_cache(1, MAX_LENGTH)
     logits, _, _ = model(jnp.asarray([IDS], jnp.int32), cache)
     return np.asarray(logits[0], np.float32)
 

@@ -5,14 +5,13 @@ import jax.numpy as jnp
 import pytest
 import torch
 
-from minicpm_jax.cache import KVCache
 from minicpm_jax.weights import load_model
 from tests import helpers
 
 
 def _logits(path, ids, max_length):
     model = load_model(path, dtype=jnp.float32, max_length=max_length)
-    cache = KVCache.create(model.config, 1, max_length, jnp.float32)
+    cache = model.new_cache(1, max_length)
     logits, hidden, _ = model(jnp.asarray([ids], jnp.int32), cache)
     assert hidden.shape == (1, len(ids), model.config.hidden_size)
     return np.asarray(logits[0])

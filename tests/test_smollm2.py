@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import pytest
 import torch
 
-from minicpm_jax.cache import KVCache
 from minicpm_jax.engine import Engine
 from minicpm_jax.tokenizer import StreamDecoder, encode_prompt, stop_token_ids
 from tests import helpers
@@ -28,7 +27,7 @@ CHATS = [
 def test_logits_match_transformers_on_64_tokens(smollm2_model, smollm2_tokenizer, hf_smollm2):
     ids = smollm2_tokenizer(TEXT)["input_ids"][:64]
     assert len(ids) == 64
-    cache = KVCache.create(smollm2_model.config, 1, smollm2_model.max_length, jnp.float32)
+    cache = smollm2_model.new_cache(1)
     logits, _, _ = smollm2_model(jnp.asarray([ids], jnp.int32), cache)
     with torch.no_grad():
         ref = hf_smollm2(torch.tensor([ids])).logits[0].numpy()

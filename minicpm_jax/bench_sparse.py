@@ -1,0 +1,192 @@
+"""The ``sparse`` scenario of ``python -m minicpm_jax.bench``: InfLLM-v2 attention against dense Pallas
+attention, one layer at the shape's attention dims (bf16, batch 1), random q/k/v.
+
+* prefill — the attention of a whole ``L``-token prompt, run as the engine runs it: chunks of
+  ``chunk`` queries, each extending the compressed caches and switching to sparse once the sequence
+  reaches ``dense_len``; against the dense flash kernel over the same chunks. Also timed: the sparse
+  path without stage 2 (compression + stage-1 scores + selection), to split the cost.
+* decode — one query token against an ``L``-token cache: stage-1 scores + block selection + block-sparse
+  attention against the flash-decoding kernel. Calls cycle through several layers' caches so the bytes
+  come from HBM, not L2. (The compressed-cache extension of a decode step is an in-place write of one
+  entry; it is timed in the e2e rows with ``--sparse_modes``.)
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from minicpm_jax.cache import KVCache, compressed_sizes
+from minicpm_jax.config import ModelConfig, SparseConfig
+from minicpm_jax.sparse import dense_or_sparse, extend_compressed, select_blocks, sparse_attention
+from pallas_kernels.attention import decode_attention, prefill_attention
+from pallas_kernels.sparse_attention import block_sparse_attention, compressed_scores
+from pallas_kernels.timing import device_loop_time
+
+L2_BYTES = 50 * 1024**2
+
+
+def _cache(config: ModelConfig, sparse: SparseConfig, layers: int, length: int, dtype, seed: int) -> KVCache:
+    """Random K/V of ``length`` tokens in ``layers`` layers, with K1/K2 computed from them."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), 2)
+    shape = (layers, 1, config.num_kv_heads, length, config.head_dim)
+    k = jax.random.normal(keys[0], shape, jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[1], shape, jnp.float32).astype(dtype)
+    n1, n2 = compressed_sizes(sparse, length)
+    cache = KVCache(k=k, v=v, lengths=jnp.zeros((1,), jnp.int32),
+                    k1=jnp.zeros((*shape[:3], n1, shape[4]), dtype), k2=jnp.zeros((*shape[:3], n2, shape[4]), dtype))
+    full = jnp.array([length], jnp.int32)
+    for layer in range(layers):
+        cache = jax.jit(lambda c, layer=layer: extend_compressed(c, layer, jnp.zeros((1,), jnp.int32), full, sparse,
+                                                                 max_tokens=length))(cache)
+    return KVCache(k=cache.k, v=cache.v, lengths=full, k1=cache.k1, k2=cache.k2)
+
+
+def _timed(fn, args, repeats: int) -> list[float]:
+    run = jax.jit(fn)
+    jax.block_until_ready(run(*args))
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(run(*args))
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def bench_sparse_prefill(config: ModelConfig, sparse: SparseConfig, length: int, chunk: int, dtype,
+                         repeats: int) -> dict:
+    """Seconds for one layer's attention over an ``length``-token prompt in ``chunk``-query chunks."""
+    h, d = config.num_heads, config.head_dim
+    scale = d**-0.5
+    cache = _cache(config, sparse, 1, length, dtype, seed=length)
+    cache = KVCache(k=cache.k, v=cache.v, lengths=jnp.zeros((1,), jnp.int32), k1=jnp.zeros_like(cache.k1),
+                    k2=jnp.zeros_like(cache.k2))
+    q_all = jax.random.normal(jax.random.PRNGKey(1), (1, length, h, d), jnp.float32).astype(dtype)
+    n_chunks = length // chunk
+
+    def run(mode):
+        def body(c, carry):
+            cache, acc = carry
+            start = c * chunk
+            q = lax.dynamic_slice_in_dim(q_all, start, chunk, axis=1)
+            pos = (start + jnp.arange(chunk, dtype=jnp.int32))[None]
+            kv_len = jnp.full((1,), start + chunk, jnp.int32)
+            dense = lambda: prefill_attention(q, cache.k, cache.v, pos, kv_len, scale=scale, layer=0)  # noqa: E731
+            if mode == "dense":
+                out = dense()
+            else:
+                cache = extend_compressed(cache, 0, kv_len - chunk, kv_len, sparse, max_tokens=chunk)
+                if mode == "select":  # stages before the block-sparse attention
+                    def sparse_fn():
+                        s = compressed_scores(q, cache.k1, cache.k2, pos, scale=scale, kernel1=sparse.kernel_size,
+                                              stride1=sparse.kernel_stride, kernel2=sparse.kernel_size2,
+                                              stride2=sparse.kernel_stride2, layer=0)
+                        blocks = select_blocks(s, pos, kv_len, sparse, -(-length // sparse.block_size))
+                        return jnp.broadcast_to(jnp.sum(blocks).astype(q.dtype), q.shape)
+                else:
+                    sparse_fn = lambda: sparse_attention(q, q, cache, 0, pos, kv_len, sparse, scale=scale,  # noqa: E731
+                                                         impl="pallas")
+                out = dense_or_sparse(dense, sparse_fn, kv_len, sparse.dense_len)
+            return cache, acc + jnp.sum(out[0, -1].astype(jnp.float32))
+
+        return lambda cache_: lax.fori_loop(0, n_chunks, body, (cache_, jnp.zeros((), jnp.float32)))[1]
+
+    print(f"  sparse prefill attention L={length} chunk={chunk}", file=sys.stderr, flush=True)
+    seconds = {mode: _timed(run(mode), (cache,), repeats) for mode in ("dense", "sparse", "select")}
+    print(f"    {seconds}", file=sys.stderr, flush=True)
+    return {"context": length, "chunk": chunk, "seconds": seconds}
+
+
+def bench_sparse_decode(config: ModelConfig, sparse: SparseConfig, length: int, dtype, repeats: int) -> dict:
+    """Seconds per layer for one decode token against ``length`` cached tokens: dense flash-decoding,
+    the full sparse path, and its stage-1 + selection part."""
+    itemsize = jnp.dtype(dtype).itemsize
+    kv_bytes = 2 * config.num_kv_heads * length * config.head_dim * itemsize
+    layers = max(2, min(16, -(-4 * L2_BYTES // kv_bytes)))
+    cache = _cache(config, sparse, layers, length, dtype, seed=length)
+    q = jax.random.normal(jax.random.PRNGKey(2), (1, 1, config.num_heads, config.head_dim), jnp.float32).astype(dtype)
+    pos = jnp.array([[length - 1]], jnp.int32)
+    scale = config.head_dim**-0.5
+    n_blocks = -(-length // sparse.block_size)
+
+    def dense(q_, c, p_):
+        return [decode_attention(q_, c.k, c.v, p_, c.lengths, scale=scale, layer=i) for i in range(layers)]
+
+    def full(q_, c, p_):
+        return [sparse_attention(q_, q_, c, i, p_, c.lengths, sparse, scale=scale, impl="pallas") for i in range(layers)]
+
+    def select(q_, c, p_):
+        out = []
+        for i in range(layers):
+            s = compressed_scores(q_, c.k1, c.k2, p_, scale=scale, kernel1=sparse.kernel_size,
+                                  stride1=sparse.kernel_stride, kernel2=sparse.kernel_size2,
+                                  stride2=sparse.kernel_stride2, layer=i)
+            out.append(select_blocks(s, p_, c.lengths, sparse, n_blocks))
+        return out
+
+    def attend_only(q_, c, p_, blocks):
+        return [block_sparse_attention(q_, c.k, c.v, p_, c.lengths, blocks[i], scale=scale,
+                                       block_size=sparse.block_size, layer=i) for i in range(layers)]
+
+    blocks = jax.jit(select)(q, cache, pos)
+    iters = 50
+    print(f"  sparse decode attention L={length} ({layers} layers x {iters} calls)", file=sys.stderr, flush=True)
+    seconds = {
+        "dense": device_loop_time(dense, (q, cache, pos), iters=iters, repeats=repeats),
+        "sparse": device_loop_time(full, (q, cache, pos), iters=iters, repeats=repeats),
+        "select": device_loop_time(select, (q, cache, pos), iters=iters, repeats=repeats),
+        "stage2": device_loop_time(lambda q_, c, b, p_: attend_only(q_, c, p_, b), (q, cache, blocks, pos),
+                                   iters=iters, repeats=repeats),
+    }
+    per_layer = {n: [t / layers for t in ts] for n, ts in seconds.items()}
+    print(f"    {per_layer}", file=sys.stderr, flush=True)
+    selected = int(jnp.sum(blocks[0] >= 0)) // config.num_kv_heads
+    return {"context": length, "layers": layers, "selected_blocks": selected, "seconds": per_layer}
+
+
+def bench_sparse(config: ModelConfig, sparse: SparseConfig, prefill_contexts: list[int], decode_contexts: list[int],
+                 chunk: int, dtype, repeats: int) -> dict:
+    return {
+        "heads": [config.num_heads, config.num_kv_heads, config.head_dim],
+        "sparse_config": {k: getattr(sparse, k) for k in ("kernel_size", "kernel_stride", "block_size", "window_size",
+                                                          "topk", "init_blocks", "dense_len")},
+        "prefill": [bench_sparse_prefill(config, sparse, c, chunk, dtype, repeats) for c in prefill_contexts],
+        "decode": [bench_sparse_decode(config, sparse, c, dtype, repeats) for c in decode_contexts],
+    }
+
+
+def _ms(ts) -> str:
+    return f"{1e3 * statistics.median(ts):.3f}"
+
+
+def _us(ts) -> str:
+    return f"{1e6 * statistics.median(ts):.1f}"
+
+
+def sparse_markdown(r: dict) -> str:
+    h, kvh, d = r["heads"]
+    sc = r["sparse_config"]
+    lines = [
+        f"InfLLM-v2 attention, one layer ({h} q heads, {kvh} KV heads, head_dim {d}, bf16, batch 1); sparse_config "
+        + ", ".join(f"{k} {v}" for k, v in sc.items()),
+        "",
+        "| prefill prompt | chunk | dense flash ms | sparse ms | speed-up | of which stage 1 + select ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p in r["prefill"]:
+        s = p["seconds"]
+        lines.append(f"| {p['context']} | {p['chunk']} | {_ms(s['dense'])} | {_ms(s['sparse'])} | "
+                     f"{statistics.median(s['dense']) / statistics.median(s['sparse']):.2f}x | {_ms(s['select'])} |")
+    lines += ["", "| decode context | blocks attended | dense flash-decoding µs | sparse µs | speed-up | "
+                  "stage 1 + select µs | stage 2 µs |", "|---|---|---|---|---|---|---|"]
+    for p in r["decode"]:
+        s = p["seconds"]
+        lines.append(f"| {p['context']} | {p['selected_blocks']} | {_us(s['dense'])} | {_us(s['sparse'])} | "
+                     f"{statistics.median(s['dense']) / statistics.median(s['sparse']):.2f}x | {_us(s['select'])} | "
+                     f"{_us(s['stage2'])} |")
+    return "\n".join(lines)

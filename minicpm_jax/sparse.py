@@ -1,0 +1,173 @@
+"""InfLLM-v2 sparse attention at the model level: settings, the compressed-key caches, block selection,
+and the dense/sparse switch of one attention layer.
+
+Semantics follow the Hugging Face MiniCPM4 modeling code (``reference/infllm_v2_and_eagle.md`` §A):
+
+* ``K1[j] = mean(K[s*j : s*j + k])`` (k = ``kernel_size`` 32, s = ``kernel_stride`` 16) and
+  ``K2[j]`` the same with 4k, 4s, over post-RoPE keys per KV head (pre-RoPE when ``use_nope``);
+  complete windows only.
+* stage 1: ``score[j] = sum_{h in group} exp(q_h.K1[j]/sqrt(d) - LSE_h)``, ``LSE_h`` over K2, causal by
+  whole windows (see :mod:`pallas_kernels.sparse_attention`).
+* block ``b`` (tokens ``[64b, 64b+64)``) scores the max over the fine entries overlapping it
+  (``[4b-1, 4b+3]``: kernel 5, stride 4, padding 1); init blocks and the ``window_size/64 + 1`` local
+  blocks ending at the query's own block score +inf; the top ``topk + window_size/64`` blocks not past
+  the query's block are attended (stage 2), causally.
+* attention is dense while the sequence (cache plus this chunk) is shorter than ``dense_len``.
+
+Deviations (documented in README): the compressed caches are extended for every completed window even
+while attention is still dense, so crossing ``dense_len`` mid-decode needs no catch-up pass; a prefill
+chunk is sparse iff its sequence reaches ``dense_len`` by the chunk's end (HF, which runs the prompt in
+one piece, decides by the whole prompt — the two agree except for queries at positions between
+``(topk + window_size/64)*64`` and ``dense_len`` of an early chunk of a long prompt); with ``use_nope`` the
+pre-RoPE keys are recovered by rotating the cached post-RoPE keys back (exact up to bf16 rounding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from minicpm_jax.cache import KVCache
+from minicpm_jax.config import ModelConfig, SparseConfig
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.rope import apply_rope
+from pallas_kernels.sparse_attention import (
+    block_sparse_attention,
+    block_sparse_attention_reference,
+    compressed_count,
+    compressed_scores,
+    compressed_scores_reference,
+    compressed_visible,
+)
+
+SPARSE_CHOICES = ("auto", "on", "off")
+
+
+def resolve_sparse(
+    config: ModelConfig, mode: str | SparseConfig | None = "auto", *, topk: int | None = None,
+    window_size: int | None = None, dense_len: int | None = None,
+) -> SparseConfig | None:
+    """The InfLLM-v2 settings a model runs with, or None for dense attention.
+
+    mode: ``auto`` = the checkpoint's ``sparse_config`` if it has one, ``on`` = that or MiniCPM4's
+    defaults (kernel 32/16, block 64, window 2048, topk 64, dense_len 8192), ``off`` (or None) = dense; a
+    :class:`SparseConfig` is used as given. ``topk``, ``window_size`` and ``dense_len`` override fields.
+    """
+    if isinstance(mode, SparseConfig):
+        sparse = mode
+    elif mode in (None, "off"):
+        return None
+    elif mode == "auto":
+        sparse = config.sparse
+    elif mode == "on":
+        sparse = config.sparse or SparseConfig()
+    else:
+        raise MiniCPMError(f"sparse must be one of {', '.join(SPARSE_CHOICES)}, got {mode!r}")
+    if sparse is None:
+        return None
+    overrides = {k: v for k, v in (("topk", topk), ("window_size", window_size), ("dense_len", dense_len))
+                 if v is not None}
+    for name, val in overrides.items():
+        if val < (0 if name == "window_size" else 1):
+            raise MiniCPMError(f"sparse {name} must be >= {0 if name == 'window_size' else 1}, got {val}")
+    return dataclasses.replace(sparse, **overrides).check()
+
+
+def extend_compressed(
+    cache: KVCache, layer: int, old_lengths: jax.Array, new_lengths: jax.Array, sparse: SparseConfig, *,
+    max_tokens: int, unrotate=None,
+) -> KVCache:
+    """Appends to ``layer``'s K1/K2 the windows completed by growing each sequence from ``old_lengths`` to
+    ``new_lengths`` (``int32[B]``, at most ``max_tokens`` apart), averaging keys already in ``cache.k``.
+
+    unrotate: None, or ``f(keys [B, N, KVH, D], positions int32[B, N]) -> keys`` undoing RoPE
+    (``use_nope``). Means are taken in fp32 and stored in the cache dtype.
+    """
+    b = cache.batch_size
+    rows = jnp.arange(b)[:, None]
+    out = {}
+    for name, kernel, stride in (("k1", sparse.kernel_size, sparse.kernel_stride),
+                                 ("k2", sparse.kernel_size2, sparse.kernel_stride2)):
+        comp = getattr(cache, name)
+        n_new = -(-max_tokens // stride)  # windows completed by max_tokens new keys, at most
+        first = compressed_count(old_lengths, kernel=kernel, stride=stride)
+        last = compressed_count(new_lengths, kernel=kernel, stride=stride)
+        j = first[:, None] + jnp.arange(n_new, dtype=jnp.int32)[None, :]  # [B, n]
+        key_pos = jnp.minimum(j[..., None] * stride + jnp.arange(kernel, dtype=jnp.int32), cache.max_length - 1)
+        keys = cache.k[layer, rows[:, :, None], :, key_pos]  # [B, n, kernel, KVH, D]
+        if unrotate is not None:
+            shape = keys.shape
+            keys = unrotate(keys.reshape(b, -1, *shape[3:]), key_pos.reshape(b, -1)).reshape(shape)
+        means = jnp.mean(keys.astype(jnp.float32), axis=2).astype(comp.dtype)  # [B, n, KVH, D]
+        slot = jnp.where(j < last[:, None], j, comp.shape[3])  # out of range -> dropped
+        out[name] = comp.at[layer, rows, :, slot].set(means, mode="drop")
+    return dataclasses.replace(cache, **out)
+
+
+def select_blocks(
+    scores: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array, sparse: SparseConfig, num_blocks: int
+) -> jax.Array:
+    """Stage-1 scores ``fp32[B, KVH, T, N1]`` → attended blocks ``int32[B, KVH, T, K]``, ascending, padded
+    with -1 at the end (``K = min(topk + window_size/block_size, num_blocks)``).
+
+    Entries a query cannot see score 0 (entries that do not exist yet are left out of the pooling), as
+    in HF's causal stage 1; ``scores`` may hold anything there.
+    """
+    n1 = scores.shape[-1]
+    r, bs = sparse.pool_ratio, sparse.block_size
+    visible = compressed_visible(q_positions, n1, kernel=sparse.kernel_size, stride=sparse.kernel_stride)
+    exists = jnp.arange(n1) < compressed_count(kv_lengths, kernel=sparse.kernel_size, stride=sparse.kernel_stride)[:, None]
+    s = jnp.where(visible[:, None], scores, jnp.where(exists[:, None, None, :], 0.0, -jnp.inf))
+    # Max-pool, window r+1, stride r, padding 1: block b takes entries r*b-1 .. r*b+r-1.
+    width = r * num_blocks + 1
+    s = s[..., : width - 1] if n1 >= width - 1 else jnp.pad(s, ((0, 0),) * 3 + ((0, width - 1 - n1),),
+                                                             constant_values=-jnp.inf)
+    s = jnp.pad(s, ((0, 0),) * 3 + ((1, 0),), constant_values=-jnp.inf)  # index i+1 holds entry i
+    inner = jnp.max(s[..., 1:].reshape(*s.shape[:-1], num_blocks, r), axis=-1)
+    before = s[..., 0 : r * num_blocks : r]  # entry r*b - 1
+    block_score = jnp.maximum(inner, before)
+    q_blk = (q_positions // bs)[:, None, :, None]
+    blk = jnp.arange(num_blocks, dtype=jnp.int32)
+    forced = (blk < sparse.init_blocks) | ((blk >= q_blk - sparse.local_blocks) & (blk <= q_blk))
+    block_score = jnp.where(forced, jnp.inf, block_score)
+    block_score = jnp.where(blk > q_blk, -jnp.inf, block_score)
+    k = min(sparse.num_selected, num_blocks)
+    _, idx = lax.top_k(block_score, k)
+    big = jnp.int32(num_blocks)
+    idx = jnp.sort(jnp.where(idx > q_blk, big, idx), axis=-1)
+    return jnp.where(idx == big, -1, idx).astype(jnp.int32)
+
+
+def sparse_attention(
+    q: jax.Array, q_select: jax.Array, cache: KVCache, layer: int, q_positions: jax.Array, kv_lengths: jax.Array,
+    sparse: SparseConfig, *, scale: float, impl: str,
+) -> jax.Array:
+    """InfLLM-v2 attention of ``q [B, T, H, D]`` (post-RoPE) over ``layer`` of the cache: stage-1 scores
+    of ``q_select`` (``q``, or pre-RoPE q with ``use_nope``) against K1/K2, block selection, block-sparse
+    attention. ``impl``: ``pallas`` kernels or the ``xla`` references. Returns ``[B, T, H, D]``."""
+    scores_fn, attend_fn = ((compressed_scores, block_sparse_attention) if impl == "pallas" else
+                            (compressed_scores_reference, block_sparse_attention_reference))
+    scores = scores_fn(q_select, cache.k1, cache.k2, q_positions, scale=scale, kernel1=sparse.kernel_size,
+                       stride1=sparse.kernel_stride, kernel2=sparse.kernel_size2, stride2=sparse.kernel_stride2,
+                       layer=layer)
+    num_blocks = -(-cache.max_length // sparse.block_size)
+    blocks = select_blocks(scores, q_positions, kv_lengths, sparse, num_blocks)
+    return attend_fn(q, cache.k, cache.v, q_positions, kv_lengths, blocks, scale=scale,
+                     block_size=sparse.block_size, layer=layer)
+
+
+def dense_or_sparse(dense_fn, sparse_fn, kv_lengths: jax.Array, dense_len: int) -> jax.Array:
+    """Runs ``dense_fn()`` for rows with ``kv_lengths < dense_len`` and ``sparse_fn()`` for the others;
+    each is computed only if some row needs it (both are ``() -> [B, T, H, D]``)."""
+    use = kv_lengths >= dense_len
+    branch = jnp.where(jnp.all(use), 2, jnp.where(jnp.any(use), 1, 0))
+    mixed = lambda: jnp.where(use[:, None, None, None], sparse_fn(), dense_fn())  # noqa: E731
+    return lax.switch(branch, [dense_fn, mixed, sparse_fn])
+
+
+def rope_inverse(inv_freq, scale: float):
+    """``f(keys [B, N, KVH, D], positions [B, N])`` undoing :func:`~minicpm_jax.rope.apply_rope`."""
+    return lambda keys, positions: apply_rope(keys, -positions, inv_freq, 1.0 / scale)

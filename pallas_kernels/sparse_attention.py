@@ -1,0 +1,308 @@
+"""InfLLM-v2 kernels: stage-1 relevance scores against compressed keys, and block-sparse attention.
+Each Pallas kernel sits beside a plain-jnp reference with the same signature.
+
+* :func:`compressed_scores_reference` / :func:`compressed_scores` — for every query token and KV group,
+  ``score[j] = sum_{h in group} exp(q_h . K1[j] * scale - LSE_h)`` where ``LSE_h`` is the log-sum-exp of
+  ``q_h . K2 * scale`` over the coarse keys. Compressed key ``j`` (window ``[stride*j, stride*j + kernel)``)
+  is visible to a query at position ``p`` iff its whole window lies at or before ``p``; invisible entries
+  score 0, and so does a row that sees no coarse key (HF turns those NaN rows into 0).
+* :func:`block_sparse_attention_reference` / :func:`block_sparse_attention` — causal attention of each
+  query over the keys of its selected ``block_size``-token blocks, the selection shared by the query heads
+  of a KV group.
+
+Shapes: q ``[B, T, H, D]``; k, v ``[B, KVH, S, D]`` and compressed keys ``[B, KVH, N, D]``, or the stacked
+caches ``[L, B, KVH, ., D]`` with ``layer`` naming the slice (kernels read it in place). Query head ``h``
+belongs to KV group ``h // (H / KVH)``. Scores and softmax in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.attention import _LOG2E, _MASKED, _attend_block, _layer_view, merge_splits
+from pallas_kernels.backend import KernelConfig, launch_options, next_power_of_2, num_cores
+
+# Stage 1: query tokens per program (times the padded group = rows of the tile; Triton's dot needs >= 16
+# on every side, and the group reduction is a dot with the [tokens, rows] indicator matrix).
+_SCORE_TOKENS = 16
+# Stage 1: compressed keys per inner step.
+_SCORE_BLOCK_N = 64
+# Stage 2: rows of a tile (the query heads of one KV group for one token, padded).
+_MIN_ROWS = 16
+
+SCORES_CONFIG = KernelConfig(block_q=_SCORE_TOKENS, block_k=_SCORE_BLOCK_N, num_warps=8, num_stages=2)
+SPARSE_CONFIG = KernelConfig(block_q=_MIN_ROWS, block_k=64, num_warps=4, num_stages=2)
+
+
+def compressed_visible(positions: jax.Array, n: int, *, kernel: int, stride: int) -> jax.Array:
+    """``bool[..., n]``: compressed key ``j`` (window ``[stride*j, stride*j + kernel)``) is visible to a
+    query at ``positions[...]`` iff ``stride*j + kernel - 1 <= position``."""
+    ends = jnp.arange(n, dtype=jnp.int32) * stride + (kernel - 1)
+    return ends <= positions[..., None]
+
+
+def compressed_count(length: jax.Array, *, kernel: int, stride: int) -> jax.Array:
+    """Complete compressed windows among the first ``length`` keys: ``max(0, (length - kernel)//stride + 1)``."""
+    return jnp.where(length >= kernel, (length - kernel) // stride + 1, 0)
+
+
+# ------------------------------------------------------------------------------------------------ stage 1
+
+
+def compressed_scores_reference(
+    q: jax.Array, k1: jax.Array, k2: jax.Array, q_positions: jax.Array, *, scale: float,
+    kernel1: int, stride1: int, kernel2: int, stride2: int, layer: int | None = None,
+) -> jax.Array:
+    """Stage-1 scores in plain jnp: fp32 ``[B, KVH, T, N1]`` (N1 = k1's entry axis). See the module doc."""
+    if layer is not None:
+        k1, k2 = k1[layer], k2[layer]
+    b, t, h, d = q.shape
+    kvh = k1.shape[1]
+    qg = q.reshape(b, t, kvh, h // kvh, d)
+    s1 = jnp.einsum("btkgd,bknd->bkgtn", qg, k1, preferred_element_type=jnp.float32) * scale
+    s2 = jnp.einsum("btkgd,bknd->bkgtn", qg, k2, preferred_element_type=jnp.float32) * scale
+    vis1 = compressed_visible(q_positions, k1.shape[2], kernel=kernel1, stride=stride1)[:, None, None]
+    vis2 = compressed_visible(q_positions, k2.shape[2], kernel=kernel2, stride=stride2)[:, None, None]
+    s2 = jnp.where(vis2, s2, -jnp.inf)
+    top = jnp.max(s2, axis=-1, keepdims=True)
+    seen = jnp.isfinite(top)
+    top = jnp.where(seen, top, 0.0)
+    lse = top + jnp.log(jnp.sum(jnp.exp(s2 - top), axis=-1, keepdims=True))
+    p = jnp.where(vis1 & seen, jnp.exp(s1 - jnp.where(seen, lse, 0.0)), 0.0)
+    return jnp.sum(p, axis=2)
+
+
+def _score_kernel(q_ref, pos_ref, k1_ref, k2_ref, o_ref, *, qk_scale, group, group_pad, kernel1, stride1,
+                  kernel2, stride2, block_n, n1, n2, blocks_per_split):
+    q = q_ref[...]
+    pos = pos_ref[...]
+    rows = q.shape[0]
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    max_pos = jnp.max(pos)
+
+    # Pass 1: log2-sum-exp of each row over the coarse keys it can see.
+    def lse_step(j, carry):
+        m, l = carry
+        start = jnp.minimum(j * block_n, n2 - block_n)  # clamped so the slice stays in the buffer
+        key = start + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
+        k = k2_ref[pl.ds(start, block_n), :]
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32) * qk_scale
+        visible = (key[None, :] * stride2 + (kernel2 - 1) <= pos[:, None]) & (key[None, :] >= j * block_n)
+        s = jnp.where(visible, s, _MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)
+        return m_new, l * jnp.exp2(m - m_new) + jnp.sum(p, axis=1)
+
+    n2_vis = jnp.maximum((max_pos + 1 - kernel2) // stride2 + 1, 0)
+    m, l = lax.fori_loop(0, pl.cdiv(n2_vis, block_n), lse_step,
+                         (jnp.full((rows,), _MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32)))
+    seen = l > 0.0
+    lse = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), 0.0)
+
+    # Pass 2: exp(s - LSE) against the fine keys, summed over the heads of each token by a dot with the
+    # [tokens, rows] indicator (row r is token r // group_pad, head r % group_pad; pad heads excluded).
+    tokens = rows // group_pad
+    r_idx = lax.broadcasted_iota(jnp.int32, (tokens, rows), 1)
+    t_idx = lax.broadcasted_iota(jnp.int32, (tokens, rows), 0)
+    owner = ((r_idx // group_pad) == t_idx) & ((r_idx % group_pad) < group)
+    indicator = jnp.where(owner, 1.0, 0.0).astype(jnp.float32)
+
+    def score_step(j, _):
+        start = jnp.minimum(j * block_n, n1 - block_n)
+        key = start + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
+        k = k1_ref[pl.ds(start, block_n), :]
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32) * qk_scale
+        visible = (key[None, :] * stride1 + (kernel1 - 1) <= pos[:, None]) & seen[:, None]
+        p = jnp.where(visible, jnp.exp2(s - lse[:, None]), 0.0)
+        o_ref[:, pl.ds(start, block_n)] = jnp.dot(indicator, p, precision=lax.Precision.HIGHEST,
+                                                  preferred_element_type=jnp.float32)
+        return 0
+
+    n1_vis = jnp.maximum((max_pos + 1 - kernel1) // stride1 + 1, 0)
+    first = pl.program_id(3) * blocks_per_split
+    last = jnp.minimum(first + blocks_per_split, pl.cdiv(n1_vis, block_n))
+    lax.fori_loop(first, last, score_step, 0)
+
+
+def compressed_scores(
+    q: jax.Array, k1: jax.Array, k2: jax.Array, q_positions: jax.Array, *, scale: float,
+    kernel1: int, stride1: int, kernel2: int, stride2: int, layer: int | None = None,
+    num_splits: int | None = None, config: KernelConfig | None = None, interpret: bool | None = None,
+) -> jax.Array:
+    """Stage-1 scores (Pallas). Signature of :func:`compressed_scores_reference`, except that entries no
+    query of a 16-token tile can see are left unwritten (callers mask by :func:`compressed_visible`).
+
+    Grid (batch, KV head, token tile, split of the fine keys); every program recomputes its rows' LSE over
+    the coarse keys (4x fewer than the fine ones), so splits only add parallelism for short query chunks.
+    """
+    (k1, _), (k2, layer) = _layer_view(k1, layer), _layer_view(k2, layer)
+    b, t, h, d = q.shape
+    kvh, n1, n2 = k1.shape[2], k1.shape[3], k2.shape[3]
+    group = h // kvh
+    group_pad = next_power_of_2(group)
+    cfg = config or SCORES_CONFIG
+    tokens = max(cfg.block_q, _MIN_ROWS // group_pad if group_pad < _MIN_ROWS else 1)
+    block_n = min(cfg.block_k, 1 << (min(n1, n2).bit_length() - 1))
+    if min(n1, n2) < 16:
+        raise ValueError(f"compressed_scores needs at least 16 compressed entries, got {n1} and {n2}")
+    t_pad = pl.cdiv(t, tokens) * tokens
+    qg = q.reshape(b, t, kvh, group, d).transpose(0, 2, 1, 3, 4)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, t_pad - t), (0, group_pad - group), (0, 0)))
+    qr = qg.reshape(b, kvh, t_pad * group_pad, d)
+    pos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, t_pad - t)), mode="edge")
+    row_pos = jnp.repeat(pos, group_pad, axis=1)
+    n_t = t_pad // tokens
+    n_blocks = pl.cdiv(n1, block_n)
+    splits = num_splits or max(1, min(n_blocks // 4 or 1, pl.cdiv(2 * num_cores(), b * kvh * n_t)))
+    per_split = pl.cdiv(n_blocks, splits)
+    rows = tokens * group_pad
+    kernel = functools.partial(
+        _score_kernel, qk_scale=scale * _LOG2E, group=group, group_pad=group_pad, kernel1=kernel1,
+        stride1=stride1, kernel2=kernel2, stride2=stride2, block_n=block_n, n1=n1, n2=n2,
+        blocks_per_split=per_split)
+    out = pl.pallas_call(
+        kernel,
+        grid=(b, kvh, n_t, splits),
+        in_specs=[
+            pl.BlockSpec((None, None, rows, d), lambda i, j, n, s: (i, j, n, 0)),
+            pl.BlockSpec((None, rows), lambda i, j, n, s: (i, n)),
+            pl.BlockSpec((None, None, None, n1, d), lambda i, j, n, s: (layer, i, j, 0, 0)),
+            pl.BlockSpec((None, None, None, n2, d), lambda i, j, n, s: (layer, i, j, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, tokens, n1), lambda i, j, n, s: (i, j, n, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, kvh, t_pad, n1), jnp.float32),
+        name="minicpm_infllm_scores",
+        **launch_options(cfg, interpret),
+    )(qr, row_pos, k1, k2)
+    return out[:, :, :t] if t_pad != t else out
+
+
+# ------------------------------------------------------------------------------------------------ stage 2
+
+
+def block_sparse_attention_reference(
+    q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array,
+    block_indices: jax.Array, *, scale: float, block_size: int, layer: int | None = None,
+) -> jax.Array:
+    """Block-sparse causal attention in plain jnp (a dense masked softmax).
+
+    block_indices: ``int32[B, KVH, T, K]``, the blocks query ``t`` of group ``g`` attends (``-1`` = none).
+    Key ``s`` is visible iff its block is selected, ``s <= q_positions[b, t]`` and ``s < kv_lengths[b]``;
+    a query that sees nothing gets zeros. Returns ``[B, T, H, D]`` in q.dtype.
+    """
+    if layer is not None:
+        k, v = k[layer], v[layer]
+    b, t, h, d = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    key_pos = jnp.arange(s, dtype=jnp.int32)
+    n_blocks = pl.cdiv(s, block_size)
+    chosen = jnp.zeros((b, kvh, t, n_blocks + 1), bool)
+    idx = jnp.where(block_indices < 0, n_blocks, block_indices)
+    bi, gi, ti, _ = jnp.meshgrid(jnp.arange(b), jnp.arange(kvh), jnp.arange(t), jnp.arange(idx.shape[-1]), indexing="ij")
+    chosen = chosen.at[bi, gi, ti, idx].set(True)[..., :n_blocks]
+    in_block = jnp.take(chosen, key_pos // block_size, axis=-1)  # [B, KVH, T, S]
+    causal = (key_pos[None, None, :] <= q_positions[:, :, None]) & (key_pos[None, None, :] < kv_lengths[:, None, None])
+    visible = in_block & causal[:, None]
+    qg = q.reshape(b, t, kvh, h // kvh, d)
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(visible[:, :, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(visible[:, :, None], probs, 0.0)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def _sparse_kernel(len_ref, q_ref, pos_ref, idx_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_scale, block_size,
+                   seq_len, per_split):
+    kv_len = len_ref[pl.program_id(0)]
+    q = q_ref[...]
+    pos = pos_ref[...]
+    idx = idx_ref[...]
+    count = jnp.sum(jnp.where(idx >= 0, 1, 0))
+    first = pl.program_id(3) * per_split
+    last = jnp.minimum(first + per_split, count)
+    rows = q.shape[0]
+
+    def step(i, carry):
+        block_start = idx_ref[i] * block_size
+        # The slice is clamped into the buffer; keys before the block's start are masked out by `lo`.
+        start = jnp.minimum(block_start, seq_len - block_size)
+        limit = jnp.minimum(kv_len, block_start + block_size)
+        return _attend_block(q, k_ref, v_ref, start, carry, qk_scale=qk_scale, block_k=block_size, pos=pos,
+                             kv_len=limit, lo=block_start)
+
+    carry = (jnp.zeros((rows, q.shape[1]), jnp.float32), jnp.full((rows,), _MASKED, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+    acc, m, l = lax.fori_loop(first, last, step, carry)
+    empty = l == 0.0
+    o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+
+
+def sparse_splits(batch: int, kv_heads: int, tokens: int, max_blocks: int) -> int:
+    """Programs sharing one (token, KV group)'s selected blocks: enough for two programs per SM, at least
+    two blocks per program; 1 for prefill chunks (tokens x groups already fill the GPU)."""
+    return max(1, min(max(1, max_blocks // 2), pl.cdiv(2 * num_cores(), batch * kv_heads * tokens)))
+
+
+def block_sparse_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array,
+    block_indices: jax.Array, *, scale: float, block_size: int, layer: int | None = None,
+    num_splits: int | None = None, config: KernelConfig | None = None, interpret: bool | None = None,
+) -> jax.Array:
+    """Block-sparse causal attention (Pallas). Signature of :func:`block_sparse_attention_reference`;
+    ``block_indices`` must list each row's valid blocks first (the ``-1`` entries last).
+
+    Grid (batch, KV group, token, split of the selected blocks): the tile is the group's query heads for
+    one token (they share the selection), each step one ``block_size``-key block; splits are merged by
+    log-sum-exp as in flash-decoding.
+    """
+    (k, _), (v, layer) = _layer_view(k, layer), _layer_view(v, layer)
+    b, t, h, d = q.shape
+    kvh, s = k.shape[2], k.shape[3]
+    if s < block_size:
+        raise ValueError(f"block_sparse_attention needs a cache of at least one block ({block_size}), got {s}")
+    group = h // kvh
+    rows = max(_MIN_ROWS, next_power_of_2(group))
+    n_sel = block_indices.shape[-1]
+    k_pad = next_power_of_2(n_sel)
+    idx = jnp.pad(block_indices.astype(jnp.int32), ((0, 0), (0, 0), (0, 0), (0, k_pad - n_sel)), constant_values=-1)
+    qg = q.reshape(b, t, kvh, group, d).transpose(0, 2, 1, 3, 4)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, rows - group), (0, 0)))
+    row_pos = jnp.broadcast_to(q_positions.astype(jnp.int32)[:, :, None], (b, t, rows))
+    splits = num_splits or sparse_splits(b, kvh, t, n_sel)
+    per_split = pl.cdiv(k_pad, splits)
+    cfg = config or SPARSE_CONFIG
+    kernel = functools.partial(_sparse_kernel, qk_scale=scale * _LOG2E, block_size=block_size, seq_len=s,
+                               per_split=per_split)
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(b, kvh, t, splits),
+        in_specs=[
+            pl.BlockSpec((b,), lambda i, j, n, sp: (0,)),
+            pl.BlockSpec((None, None, None, rows, d), lambda i, j, n, sp: (i, j, n, 0, 0)),
+            pl.BlockSpec((None, None, rows), lambda i, j, n, sp: (i, n, 0)),
+            pl.BlockSpec((None, None, None, k_pad), lambda i, j, n, sp: (i, j, n, 0)),
+            pl.BlockSpec((None, None, None, s, d), lambda i, j, n, sp: (layer, i, j, 0, 0)),
+            pl.BlockSpec((None, None, None, s, d), lambda i, j, n, sp: (layer, i, j, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, None, rows, d), lambda i, j, n, sp: (i, j, n, sp, 0, 0)),
+            pl.BlockSpec((None, None, None, None, rows), lambda i, j, n, sp: (i, j, n, sp, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, kvh, t, splits, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, t, splits, rows), jnp.float32),
+        ],
+        name="minicpm_infllm_sparse_attention",
+        **launch_options(cfg, interpret),
+    )(kv_lengths.astype(jnp.int32), qg, row_pos, idx, k, v)
+    out = o[:, :, :, 0] if splits == 1 else merge_splits(o, lse)  # [B, KVH, T, rows, D]
+    return out[:, :, :, :group].transpose(0, 2, 1, 3, 4).reshape(b, t, h, d).astype(q.dtype)

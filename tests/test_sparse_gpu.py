@@ -1,0 +1,83 @@
+"""InfLLM-v2 on the GPU (``pytest -m gpu``): the Triton-compiled kernels at MiniCPM4-8B attention dims
+against their jnp references, and a sparse tiny model on the GPU (Pallas) against the CPU (references)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from minicpm_jax.cache import KVCache, compressed_sizes
+from minicpm_jax.config import ModelConfig, SparseConfig
+from minicpm_jax.engine import Engine
+from minicpm_jax.model import MiniCPMForCausalLM
+from minicpm_jax.sparse import extend_compressed, select_blocks
+from pallas_kernels.sparse_attention import (
+    block_sparse_attention,
+    block_sparse_attention_reference,
+    compressed_scores,
+    compressed_scores_reference,
+    compressed_visible,
+)
+from tests import helpers
+from tests.test_sparse import SMALL
+
+pytestmark = pytest.mark.gpu
+
+
+def _caches(length: int, sparse: SparseConfig, seed: int = 0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 2)
+    shape = (2, 1, 2, length, 128)  # 2 layers, MiniCPM4-8B: 2 KV heads x 128
+    k = jax.random.normal(keys[0], shape, jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(keys[1], shape, jnp.float32).astype(jnp.bfloat16)
+    n1, n2 = compressed_sizes(sparse, length)
+    cache = KVCache(k=k, v=v, lengths=jnp.zeros((1,), jnp.int32), k1=jnp.zeros((2, 1, 2, n1, 128), jnp.bfloat16),
+                    k2=jnp.zeros((2, 1, 2, n2, 128), jnp.bfloat16))
+    full = jnp.array([length], jnp.int32)
+    cache = extend_compressed(cache, 1, jnp.zeros((1,), jnp.int32), full, sparse, max_tokens=length)
+    return dataclasses.replace(cache, lengths=full)
+
+
+@pytest.mark.parametrize("length,t", [(16384, 1), (20000, 64)])
+def test_gpu_sparse_kernels_at_8b_dims(length, t):
+    sparse = SparseConfig()
+    cache = _caches(length, sparse)
+    q = jax.random.normal(jax.random.PRNGKey(1), (1, t, 32, 128), jnp.float32).astype(jnp.bfloat16)
+    pos = (length - t + jnp.arange(t, dtype=jnp.int32))[None]
+    kw = dict(scale=128**-0.5, kernel1=32, stride1=16, kernel2=128, stride2=64, layer=1)
+    ref = compressed_scores_reference(q, cache.k1, cache.k2, pos, **kw)
+    got = jax.jit(lambda *a: compressed_scores(*a, **kw))(q, cache.k1, cache.k2, pos)
+    visible = compressed_visible(pos, ref.shape[-1], kernel=32, stride=16)[:, None]
+    err = jnp.max(jnp.abs(jnp.where(visible, got - ref, 0.0))) / jnp.max(ref)
+    assert float(err) < 1e-2
+    n_blocks = -(-length // 64)
+    sel_ref = np.asarray(select_blocks(ref, pos, cache.lengths, sparse, n_blocks))
+    sel_got = np.asarray(select_blocks(got, pos, cache.lengths, sparse, n_blocks))
+    agree = np.mean([len(set(a) & set(b)) / len(set(a)) for a, b in zip(sel_ref.reshape(-1, sel_ref.shape[-1]),
+                                                                         sel_got.reshape(-1, sel_got.shape[-1]))])
+    assert agree > 0.97  # bf16 near-ties may swap a block
+    assert (sel_ref >= 0).sum(-1).min() == 96
+    blocks = jnp.asarray(sel_ref)
+    want = block_sparse_attention_reference(q, cache.k, cache.v, pos, cache.lengths, blocks, scale=128**-0.5,
+                                            block_size=64, layer=1)
+    out = jax.jit(lambda *a: block_sparse_attention(*a, scale=128**-0.5, block_size=64, layer=1))(
+        q, cache.k, cache.v, pos, cache.lengths, blocks)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2e-2)
+
+
+def test_gpu_sparse_model_matches_cpu_and_generates_the_same():
+    config = ModelConfig.from_dict(helpers.tiny_minicpm_config(sparse_config=dataclasses.asdict(SMALL)))
+    ids = np.random.default_rng(0).integers(0, 97, (1, 100))
+    prompts = [list(np.random.default_rng(1).integers(3, 97, 12)), list(np.random.default_rng(2).integers(3, 97, 60))]
+    out = {}
+    for name, device in (("cpu", jax.devices("cpu")[0]), ("gpu", jax.devices("gpu")[0])):
+        with jax.default_device(device):
+            model = MiniCPMForCausalLM(config, max_length=128, attention_impl="xla" if name == "cpu" else "pallas",
+                                       rngs=nnx.Rngs(0), dtype=jnp.float32)
+            logits, _, _ = jax.jit(lambda m, c, x: m(x, c))(model, model.new_cache(1), jnp.asarray(ids, jnp.int32))
+            engine = Engine(model, batch_size=2, chunk_length=16)
+            out[name] = (np.asarray(logits), [r.token_ids for r in engine.generate(prompts, max_new_tokens=40)[0]])
+    assert helpers.rel_err(out["gpu"][0], out["cpu"][0]) < 1e-4
+    assert out["gpu"][1] == out["cpu"][1]
