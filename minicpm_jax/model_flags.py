@@ -27,6 +27,15 @@ flags.DEFINE_enum("quant", "auto", ["auto", "none", "int4"],
                   "checkpoint at load time. Embeddings, norms and lm_head always stay in --dtype.", module_name=_M)
 flags.DEFINE_integer("quant_group_size", 128, "Scale group size (input rows) for --quant int4 on a dense checkpoint; "
                      "-1 = per-channel.", module_name=_M)
+flags.DEFINE_enum("sparse", "auto", ["auto", "on", "off"],
+                  "InfLLM-v2 sparse attention: auto = as the checkpoint's sparse_config says, on = that or MiniCPM4's "
+                  "defaults (block 64, topk 64, window 2048, dense_len 8192), off = dense attention.", module_name=_M)
+flags.DEFINE_integer("sparse_topk", None, "Sparse: top-k blocks per query besides the local window (sparse_config "
+                     "topk).", module_name=_M)
+flags.DEFINE_integer("sparse_window", None, "Sparse: local window in tokens, always attended (sparse_config "
+                     "window_size).", module_name=_M)
+flags.DEFINE_integer("dense_len", None, "Sparse: sequences shorter than this attend densely (sparse_config "
+                     "dense_len).", module_name=_M)
 flags.DEFINE_integer("max_length", 2048, "Static KV-cache length: prompt plus generated tokens.", module_name=_M)
 flags.DEFINE_integer("chunk_length", 512, "Prefill chunk length (one compiled shape).", module_name=_M)
 flags.DEFINE_integer("decode_block", 16, "Decode steps per host round trip (streaming granularity).", module_name=_M)
@@ -47,6 +56,10 @@ def validate_model_flags() -> None:
     for name in ("max_length", "chunk_length", "decode_block"):
         if getattr(FLAGS, name) < 1:
             raise MiniCPMError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+    for name, field, low in (("sparse_topk", "topk", 1), ("dense_len", "dense_len", 1), ("sparse_window", "window_size", 0)):
+        val = getattr(FLAGS, name)
+        if val is not None and val < low:
+            raise MiniCPMError(f"--{name}: sparse {field} must be >= {low}, got {val}")
 
 
 def enable_compilation_cache() -> None:
@@ -68,6 +81,15 @@ def weights_description(model) -> str:
     return f"int4 {group} {'sym' if q.sym else 'asym'}{' act-order' if q.act_order else ''} {q.layout}"
 
 
+def sparse_description(model) -> str:
+    """``"off"`` or e.g. ``"topk 64 + window 2048 (96 blocks of 64) from 8192 tokens"`` (JSON, banner)."""
+    s = model.sparse
+    if s is None:
+        return "off"
+    return (f"topk {s.topk} + window {s.window_size} ({s.num_selected} blocks of {s.block_size}) "
+            f"from {s.dense_len} tokens")
+
+
 def load_from_flags(*, progress: bool = True):
     """Loads what the model flags name: returns (model_path, model, tokenizer, load seconds).
 
@@ -86,6 +108,8 @@ def load_from_flags(*, progress: bool = True):
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     t0 = time.perf_counter()
     model = load_model(model_path, dtype=jnp.dtype(dtype), max_length=FLAGS.max_length,
-                       attention_impl=FLAGS.attention_impl, quant=FLAGS.quant, group_size=FLAGS.quant_group_size)
+                       attention_impl=FLAGS.attention_impl, quant=FLAGS.quant, group_size=FLAGS.quant_group_size,
+                       sparse=FLAGS.sparse, sparse_overrides=dict(topk=FLAGS.sparse_topk, window_size=FLAGS.sparse_window,
+                                                                  dense_len=FLAGS.dense_len))
     tokenizer = load_tokenizer(model_path)
     return model_path, model, tokenizer, time.perf_counter() - t0

@@ -23,7 +23,7 @@ from absl import app, flags
 
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model_flags import (
-    enable_compilation_cache, fail, load_from_flags, validate_model_flags, weights_description,
+    enable_compilation_cache, fail, load_from_flags, sparse_description, validate_model_flags, weights_description,
 )
 from minicpm_jax.tokenizer import TextStream
 
@@ -170,6 +170,7 @@ class Runner:
                 "token_ids": result.token_ids, "seed": self.seed, "load_time_s": self.load_time,
                 "attention_impl": self.engine.model.attention_impl,
                 "weights": weights_description(self.engine.model),
+                "sparse": sparse_description(self.engine.model),
                 "stats": stats.as_dict(),
             }))
             return

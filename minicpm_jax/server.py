@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model_flags import (
-    enable_compilation_cache, fail, load_from_flags, validate_model_flags, weights_description,
+    enable_compilation_cache, fail, load_from_flags, sparse_description, validate_model_flags, weights_description,
 )
 
 FLAGS = flags.FLAGS
@@ -371,7 +371,7 @@ def _serve() -> None:
     name = FLAGS.served_model_name or os.path.basename(os.path.normpath(model_path))
     print(f"minicpm-jax: {name} loaded in {load_s:.1f} s, compiled in {time.perf_counter() - t:.1f} s; "
           f"{FLAGS.max_batch_size} slots × {FLAGS.max_length} tokens ({model.attention_impl} attention, "
-          f"{weights_description(model)} weights); "
+          f"{weights_description(model)} weights, sparse attention {sparse_description(model)}); "
           f"serving on http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
     scheduler.start()
     application = create_app(scheduler, tokenizer, model_name=name, stop_ids=stops, api_key=FLAGS.api_key,

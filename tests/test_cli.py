@@ -129,5 +129,28 @@ def test_pallas_attention_flag_gives_the_xla_tokens(smollm2_dir):
     assert "Paris" in outs["pallas"]["text"]
 
 
+@pytest.mark.smollm2
+def test_sparse_flags_reach_the_model(smollm2_dir):
+    """--sparse on for a checkpoint without sparse_config (MiniCPM4 defaults, overridden by flags): the
+    sparse path runs from token 16 on; with 64-token blocks all of this short prompt stays selected, so
+    the answer is unchanged."""
+    r = _run("--prompt_text", "What is the capital of France?", "--num_generate", "8", "--max_length", "256",
+             "--chunk_length", "64", "--sparse", "on", "--sparse_topk", "2", "--sparse_window", "128",
+             "--dense_len", "16", "--json_output")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["sparse"] == "topk 2 + window 128 (4 blocks of 64) from 16 tokens"
+    assert "Paris" in out["text"]
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--sparse_topk", "0", "topk must be >= 1"),
+    ("--dense_len", "0", "dense_len must be >= 1"),
+    ("--sparse", "sometimes", "sparse"),
+])
+def test_bad_sparse_flags(flag, value, message):
+    _assert_one_line_error(_run("--sparse", "on", flag, value) if flag != "--sparse" else _run(flag, value), message)
+
+
 def test_bad_attention_impl():
     _assert_one_line_error(_run("--attention_impl", "cuda"), "attention_impl")
