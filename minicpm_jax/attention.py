@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from minicpm_jax.cache import KVCache
@@ -19,7 +20,7 @@ from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.layers import make_linear
 from minicpm_jax.quant import QuantSpec
 from minicpm_jax.rope import apply_rope, rope_frequencies
-from minicpm_jax.sparse import dense_or_sparse, extend_compressed, rope_inverse, sparse_attention
+from minicpm_jax.sparse import extend_compressed, rope_inverse, sparse_attention
 from pallas_kernels.attention import (
     MAX_DECODE_QUERIES,
     attention_reference,
@@ -81,9 +82,15 @@ class Attention(nnx.Module):
         self.o_proj = make_linear(config.num_heads * config.head_dim, config.hidden_size, quant, **linear)
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, valid: jax.Array, cache: KVCache, kv_lengths: jax.Array
+        self, x: jax.Array, positions: jax.Array, valid: jax.Array, cache: KVCache, kv_lengths: jax.Array,
+        mode: str = "dense",
     ) -> tuple[jax.Array, KVCache]:
-        """x ``[B, T, hidden]``, positions ``int32[B, T]``, valid ``bool[B, T]``; returns (``[B, T, hidden]``, cache)."""
+        """x ``[B, T, hidden]``, positions ``int32[B, T]``, valid ``bool[B, T]``; returns (``[B, T, hidden]``, cache).
+
+        mode (static): ``dense``; ``sparse`` (InfLLM-v2 for every row); ``mixed`` (both, each row taking
+        sparse iff ``kv_lengths >= dense_len``). With sparse settings the compressed caches are extended
+        in every mode.
+        """
         cfg = self.config
         b, t, _ = x.shape
         nq, nkv, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
@@ -109,5 +116,11 @@ class Attention(nnx.Module):
             sparse_fn = lambda: sparse_attention(  # noqa: E731
                 q, q_nope if sp.use_nope else q, cache, self.layer, positions, kv_lengths, sp, scale=d**-0.5,
                 impl=self.attention_impl)
-            out = dense_or_sparse(dense, sparse_fn, kv_lengths, sp.dense_len)
+            if mode == "dense":
+                out = dense()
+            elif mode == "sparse":
+                out = sparse_fn()
+            else:
+                use = kv_lengths >= sp.dense_len
+                out = jnp.where(use[:, None, None, None], sparse_fn(), dense())
         return self.o_proj(out.reshape(b, t, nq)), cache

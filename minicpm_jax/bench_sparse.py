@@ -23,7 +23,7 @@ from jax import lax
 
 from minicpm_jax.cache import KVCache, compressed_sizes
 from minicpm_jax.config import ModelConfig, SparseConfig
-from minicpm_jax.sparse import dense_or_sparse, extend_compressed, select_blocks, sparse_attention
+from minicpm_jax.sparse import extend_compressed, select_blocks, sparse_attention
 from pallas_kernels.attention import decode_attention, prefill_attention
 from pallas_kernels.sparse_attention import block_sparse_attention, compressed_scores
 from pallas_kernels.timing import device_loop_time
@@ -93,7 +93,7 @@ def bench_sparse_prefill(config: ModelConfig, sparse: SparseConfig, length: int,
                 else:
                     sparse_fn = lambda: sparse_attention(q, q, cache, 0, pos, kv_len, sparse, scale=scale,  # noqa: E731
                                                          impl="pallas")
-                out = dense_or_sparse(dense, sparse_fn, kv_len, sparse.dense_len)
+                out = lax.cond(kv_len[0] >= sparse.dense_len, sparse_fn, dense)  # as the model's switch
             return cache, acc + jnp.sum(out[0, -1].astype(jnp.float32))
 
         return lambda cache_: lax.fori_loop(0, n_chunks, body, (cache_, jnp.zeros((), jnp.float32)))[1]

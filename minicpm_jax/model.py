@@ -11,6 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from minicpm_jax.attention import Attention, resolve_attention_impl
 from minicpm_jax.cache import KVCache
@@ -36,8 +37,8 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size, rngs=rngs, dtype=dtype, quant=quant,
                        impl=attention_impl)
 
-    def __call__(self, x, positions, valid, cache: KVCache, kv_lengths):
-        attn, cache = self.self_attn(self.input_layernorm(x), positions, valid, cache, kv_lengths)
+    def __call__(self, x, positions, valid, cache: KVCache, kv_lengths, mode: str = "dense"):
+        attn, cache = self.self_attn(self.input_layernorm(x), positions, valid, cache, kv_lengths, mode)
         x = x + attn * jnp.asarray(self.residual_scale, x.dtype)
         x = x + self.mlp(self.post_attention_layernorm(x)) * jnp.asarray(self.residual_scale, x.dtype)
         return x, cache
@@ -89,19 +90,23 @@ class MiniCPMForCausalLM(nnx.Module):
         attention_impl = resolve_attention_impl(attention_impl, config.head_dim)
         sparse = resolve_sparse(config, sparse)
         self.sparse = sparse
+        # Sparse attention starts at dense_len tokens; a cache shorter than that never gets there, so such
+        # a model runs (and caches) exactly as a dense one.
+        self.sparse_active = sparse is not None and max_length >= sparse.dense_len
         self.config = config
         self.attention_impl = attention_impl
         self.max_length = max_length
         self.dtype = jnp.dtype(dtype)
         self.quant = quant
         self.model = MiniCPMModel(config, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype,
-                                  quant=quant, sparse=sparse)
+                                  quant=quant, sparse=sparse if self.sparse_active else None)
         if not config.tied_head:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, rngs=rngs, dtype=dtype)
 
     def new_cache(self, batch_size: int, max_length: int | None = None) -> KVCache:
         """An empty :class:`KVCache` for this model (its dtype; compressed keys when sparse)."""
-        return KVCache.create(self.config, batch_size, max_length or self.max_length, self.dtype, self.sparse)
+        sparse = self.sparse if self.sparse_active else None
+        return KVCache.create(self.config, batch_size, max_length or self.max_length, self.dtype, sparse)
 
     def forward(
         self, tokens: jax.Array, cache: KVCache, num_valid: jax.Array | None = None
@@ -115,15 +120,29 @@ class MiniCPMForCausalLM(nnx.Module):
         b, t = tokens.shape
         if num_valid is None:
             num_valid = jnp.full((b,), t, jnp.int32)
-        if self.sparse is not None and cache.k1 is None:
+        if self.sparse_active and cache.k1 is None:
             raise MiniCPMError("this model uses InfLLM-v2 sparse attention: make its cache with model.new_cache(...)")
         steps = jnp.arange(t, dtype=jnp.int32)
         positions = cache.lengths[:, None] + steps[None, :]
         valid = steps[None, :] < num_valid[:, None]
         kv_lengths = cache.lengths + num_valid
         x = self.model.embed_tokens(tokens).astype(self.dtype) * jnp.asarray(self.config.scale_emb, self.dtype)
-        for layer in self.model.layers:
-            x, cache = layer(x, positions, valid, cache, kv_lengths)
+
+        def run_layers(mode):
+            def run(x, cache):
+                for layer in self.model.layers:
+                    x, cache = layer(x, positions, valid, cache, kv_lengths, mode)
+                return x, cache
+            return run
+
+        if not self.sparse_active:
+            x, cache = run_layers("dense")(x, cache)
+        else:
+            # One switch for the whole forward: a conditional costs the GPU a host round trip, too much
+            # per layer.
+            use = kv_lengths >= self.sparse.dense_len
+            branch = jnp.where(jnp.all(use), 2, jnp.where(jnp.any(use), 1, 0))
+            x, cache = lax.switch(branch, [run_layers("dense"), run_layers("mixed"), run_layers("sparse")], x, cache)
         cache = dataclasses.replace(cache, lengths=kv_lengths)
         return self.model.norm(x), cache
 

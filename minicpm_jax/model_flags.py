@@ -86,8 +86,9 @@ def sparse_description(model) -> str:
     s = model.sparse
     if s is None:
         return "off"
-    return (f"topk {s.topk} + window {s.window_size} ({s.num_selected} blocks of {s.block_size}) "
+    text = (f"topk {s.topk} + window {s.window_size} ({s.num_selected} blocks of {s.block_size}) "
             f"from {s.dense_len} tokens")
+    return text if model.sparse_active else f"{text}, inactive: max_length {model.max_length} < dense_len"
 
 
 def load_from_flags(*, progress: bool = True):

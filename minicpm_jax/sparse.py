@@ -159,15 +159,6 @@ def sparse_attention(
                      block_size=sparse.block_size, layer=layer)
 
 
-def dense_or_sparse(dense_fn, sparse_fn, kv_lengths: jax.Array, dense_len: int) -> jax.Array:
-    """Runs ``dense_fn()`` for rows with ``kv_lengths < dense_len`` and ``sparse_fn()`` for the others;
-    each is computed only if some row needs it (both are ``() -> [B, T, H, D]``)."""
-    use = kv_lengths >= dense_len
-    branch = jnp.where(jnp.all(use), 2, jnp.where(jnp.any(use), 1, 0))
-    mixed = lambda: jnp.where(use[:, None, None, None], sparse_fn(), dense_fn())  # noqa: E731
-    return lax.switch(branch, [dense_fn, mixed, sparse_fn])
-
-
 def rope_inverse(inv_freq, scale: float):
     """``f(keys [B, N, KVH, D], positions [B, N])`` undoing :func:`~minicpm_jax.rope.apply_rope`."""
     return lambda keys, positions: apply_rope(keys, -positions, inv_freq, 1.0 / scale)

@@ -50,7 +50,7 @@ def test_bench_smoke_on_cpu(tmp_path):
         assert isinstance(sec["pallas"], list) and sec["pallas"][0] > 0
         assert isinstance(sec["xla"], list) and sec["xla"][0] > 0
         assert isinstance(sec["cudnn"], str)  # no cuDNN on the CPU: reported, not fatal
-    assert "| smollm2-135m | pallas | none | 1 | 40 |" in r.stdout and md.read_text().strip() == r.stdout.strip()
+    assert "| smollm2-135m | pallas | none | off | 1 | 40 |" in r.stdout and md.read_text().strip() == r.stdout.strip()
     assert png.stat().st_size > 1000
 
 
@@ -69,7 +69,23 @@ def test_bench_int4_smoke_on_cpu(tmp_path):
     assert [row["name"] for row in rows] == ["qkv", "o", "gate_up", "down"] and rows[0]["k"] == 576
     for row in rows:
         assert row["seconds"]["bf16"][0] > 0 and row["seconds"]["int4_kpacked"][0] > 0
-    assert "| smollm2-135m | xla | int4 g64 | 1 | 24 |" in r.stdout and "int4 dequant-GEMM, group 64" in r.stdout
+    assert "| smollm2-135m | xla | int4 g64 | off | 1 | 24 |" in r.stdout and "int4 dequant-GEMM, group 64" in r.stdout
+
+
+def test_bench_sparse_smoke_on_cpu(tmp_path):
+    """The sparse scenario times dense and InfLLM-v2 attention of one layer (prefill and decode) and
+    writes its tables; e2e takes --sparse_modes."""
+    out = tmp_path / "bench.json"
+    r = _bench("--scenarios", "sparse", "--shape", "smollm2-135m", "--sparse_prefill_contexts", "256",
+               "--sparse_decode_contexts", "256", "--chunk_length", "128", "--repeats", "1", "--json_out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())["sparse"]
+    assert set(result["prefill"][0]["seconds"]) == {"dense", "sparse", "scores", "select"}
+    assert set(result["decode"][0]["seconds"]) == {"dense", "sparse", "scores", "select", "stage2"}
+    assert all(t[0] > 0 for t in result["decode"][0]["seconds"].values())
+    assert "| 256 | 128 |" in r.stdout and "| decode context | blocks attended |" in r.stdout
+    bad = _bench("--sparse_modes", "maybe", timeout=300)
+    assert bad.returncode == 2 and "unknown maybe" in bad.stderr
 
 
 def test_plot_from_saved_json(tmp_path):
