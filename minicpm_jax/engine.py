@@ -23,6 +23,7 @@ from minicpm_jax.cache import KVCache
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model import MiniCPMForCausalLM
 from minicpm_jax.sampling import SamplingParams, row_key, sample
+from minicpm_jax.sparse import attention_mode
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
@@ -106,10 +107,10 @@ def _check_stops(ds: DecodeState, new_tok, active, cache_lengths, max_length) ->
     )
 
 
-def _prefill_chunk(graphdef, state, cache: KVCache, tokens, num_valid, last_logits):
+def _prefill_chunk(graphdef, state, cache: KVCache, tokens, num_valid, last_logits, *, mode: str = "dense"):
     """One prompt chunk ``tokens int32[B, C]``; keeps the logits of each row's last real token."""
     model = nnx.merge(graphdef, state)
-    hidden, cache = model.forward(tokens, cache, num_valid)
+    hidden, cache = model.forward(tokens, cache, num_valid, mode)
     last = jnp.take_along_axis(hidden, jnp.maximum(num_valid - 1, 0)[:, None, None], axis=1)[:, 0]
     logits = model.logits(last)
     return cache, jnp.where((num_valid > 0)[:, None], logits, last_logits)
@@ -121,7 +122,7 @@ def _first_token(ds: DecodeState, logits, active, cache_lengths, *, max_length: 
     return _check_stops(ds, tok, active, cache_lengths, max_length)
 
 
-def _decode_block(graphdef, state, cache: KVCache, ds: DecodeState, *, num_steps: int):
+def _decode_block(graphdef, state, cache: KVCache, ds: DecodeState, *, num_steps: int, mode: str = "dense"):
     """Up to ``num_steps`` decode steps on device; returns (cache, state, tokens ``int32[B, num_steps]``, -1 = none)."""
     model = nnx.merge(graphdef, state)
     out = jnp.full((ds.tok.shape[0], num_steps), -1, jnp.int32)
@@ -133,7 +134,7 @@ def _decode_block(graphdef, state, cache: KVCache, ds: DecodeState, *, num_steps
     def body(carry):
         i, cache, ds, out = carry
         active = ~ds.done
-        hidden, cache = model.forward(ds.tok[:, None], cache, active.astype(jnp.int32))
+        hidden, cache = model.forward(ds.tok[:, None], cache, active.astype(jnp.int32), mode)
         logits = model.logits(hidden[:, 0])
         new_tok = sample(logits, ds.keys, ds.n_gen, ds.temperature, ds.top_k, ds.top_p)
         out = out.at[:, i].set(jnp.where(active, new_tok, -1))
@@ -171,9 +172,11 @@ class Engine:
         # Jitted steps with the static parts bound; compiled ahead of time per shape (see _executable) so
         # compilation is timed apart from prefill and decode.
         self._jitted = {
-            "prefill": jax.jit(functools.partial(_prefill_chunk, self.graphdef), donate_argnums=1),
+            "prefill": jax.jit(functools.partial(_prefill_chunk, self.graphdef), donate_argnums=1,
+                               static_argnames="mode"),
             "first": jax.jit(functools.partial(_first_token, max_length=self.max_length)),
-            "decode": jax.jit(functools.partial(_decode_block, self.graphdef, num_steps=decode_block), donate_argnums=1),
+            "decode": jax.jit(functools.partial(_decode_block, self.graphdef, num_steps=decode_block), donate_argnums=1,
+                              static_argnames="mode"),
         }
         self._executables: dict = {}
         self.compile_time = 0.0  # seconds spent compiling, over the engine's life
@@ -213,21 +216,37 @@ class Engine:
             stop_ids=jnp.asarray(self._stop_table(stops)),
         )
 
-    def _executable(self, name: str, key, *args):
-        """The compiled ``name`` step for these argument shapes (``key`` names the shape variant)."""
-        exe = self._executables.get((name, key))
+    def _executable(self, name: str, key, *args, **static):
+        """The compiled ``name`` step for these argument shapes (``key`` names the shape variant) and
+        static arguments (the attention ``mode``)."""
+        full_key = (name, key, tuple(sorted(static.items())))
+        exe = self._executables.get(full_key)
         if exe is None:
             t = time.perf_counter()
-            exe = self._executables[(name, key)] = self._jitted[name].lower(*args).compile()
+            exe = self._executables[full_key] = self._jitted[name].lower(*args, **static).compile()
             self.compile_time += time.perf_counter() - t
         return exe
 
-    def _decode(self, state, cache, ds):
-        return self._executable("decode", None, state, cache, ds)(state, cache, ds)
+    def attention_mode(self, lo: int, hi: int) -> str:
+        """Static attention mode for a step whose relevant rows reach ``lo``..``hi`` tokens."""
+        if not self.model.sparse_active:
+            return "dense"
+        return attention_mode(self.model.sparse.dense_len, lo, hi)
 
-    def compiled_decode_hlo(self) -> str:
+    def _decode(self, state, cache, ds, mode: str | None = None):
+        """One decode block. Without ``mode``, it is chosen from the lengths on device (one sync)."""
+        if mode is None:
+            mode = "dense"
+            if self.model.sparse_active:
+                lengths, done = jax.device_get((cache.lengths, ds.done))
+                live = [int(n) for n, d in zip(lengths, done) if not d] or [0]
+                mode = self.attention_mode(min(live) + 1, max(live) + self.decode_block)
+        return self._executable("decode", None, state, cache, ds, mode=mode)(state, cache, ds)
+
+    def compiled_decode_hlo(self, mode: str = "dense") -> str:
         """Optimized HLO of the decode block (for performance work)."""
-        return self._executable("decode", None, self.state, self.cache, self._initial_state([], [], [])).as_text()
+        return self._executable("decode", None, self.state, self.cache, self._initial_state([], [], []),
+                                mode=mode).as_text()
 
     # ---------------------------------------------------------------- generate
     def generate(
@@ -331,6 +350,7 @@ class Engine:
     def _run_prefill(self, rows: list[list[int]], on_prefill) -> jax.Array:
         """Runs all prompt rows through the cache chunk by chunk; returns the last-token logits ``f32[B, V]``."""
         total = max(len(r) for r in rows)
+        start = [int(n) for n in jax.device_get(self.cache.lengths)] if self.model.sparse_active else None
         # Short prompts run in a smaller power-of-two chunk (few compiled shapes, little padding).
         c = min(self.chunk_length, max(MIN_CHUNK, 1 << (total - 1).bit_length()))
         logits = jnp.zeros((self.batch_size, self.config.vocab_size), jnp.float32)
@@ -342,7 +362,11 @@ class Engine:
                 tokens[i, : len(piece)] = piece
                 num_valid[i] = len(piece)
             args = (self.state, self.cache, tokens, num_valid, logits)
-            self.cache, logits = self._executable("prefill", c, *args)(*args)
+            mode = "dense"
+            if start is not None:
+                reach = [start[i] + begin + int(num_valid[i]) for i in range(self.batch_size) if num_valid[i]]
+                mode = self.attention_mode(min(reach), max(reach))
+            self.cache, logits = self._executable("prefill", c, *args, mode=mode)(*args)
             if on_prefill is not None:
                 logits.block_until_ready()
                 on_prefill(min(begin + c, total), total)
@@ -351,8 +375,17 @@ class Engine:
     def _decode_loop(self, ds: DecodeState, outputs, host_done, on_tokens) -> DecodeState:
         """Dispatches block k+1 before reading block k, so the host's streaming overlaps device work."""
         pending = None  # (tokens, done flags) of the block in flight
+        start = [int(n) for n in jax.device_get(self.cache.lengths)] if self.model.sparse_active else None
+        dispatched = 0
         while not all(host_done):
-            self.cache, ds, block = self._decode(self.state, self.cache, ds)
+            mode = "dense"
+            if start is not None:  # bounds from host bookkeeping: no sync, block k+1 still overlaps block k
+                live = [i for i in range(len(outputs)) if not host_done[i]]
+                lo = min(start[i] + len(outputs[i]) for i in live)  # kv length at the block's first step, at least
+                hi = max(start[i] for i in live) + dispatched + self.decode_block
+                mode = self.attention_mode(lo, hi)
+            self.cache, ds, block = self._decode(self.state, self.cache, ds, mode)
+            dispatched += self.decode_block
             if pending is not None:
                 ds = self._consume(pending, outputs, host_done, on_tokens, ds)
             pending = (block, ds.done)

@@ -109,12 +109,16 @@ class MiniCPMForCausalLM(nnx.Module):
         return KVCache.create(self.config, batch_size, max_length or self.max_length, self.dtype, sparse)
 
     def forward(
-        self, tokens: jax.Array, cache: KVCache, num_valid: jax.Array | None = None
+        self, tokens: jax.Array, cache: KVCache, num_valid: jax.Array | None = None, mode: str = "auto"
     ) -> tuple[jax.Array, KVCache]:
         """Runs ``tokens int32[B, T]`` appended after each sequence's cached tokens.
 
         num_valid: ``int32[B]``, how many leading tokens of each row are real (default: all T). Padded
         tokens are computed but neither cached nor counted.
+        mode (static; sparse models only): ``auto`` picks dense or InfLLM-v2 attention per row on device
+        (a row is sparse iff its length after this call reaches ``dense_len``); ``dense``, ``sparse`` or
+        ``mixed`` (both, picked per row) fix it at trace time, as the engine does from lengths it knows
+        (:func:`~minicpm_jax.sparse.attention_mode`), so the compiled step has no conditional.
         Returns the final-normed hidden states ``[B, T, hidden]`` (model dtype) and the updated cache.
         """
         b, t = tokens.shape
@@ -137,6 +141,10 @@ class MiniCPMForCausalLM(nnx.Module):
 
         if not self.sparse_active:
             x, cache = run_layers("dense")(x, cache)
+        elif mode != "auto":
+            if mode not in ("dense", "sparse", "mixed"):
+                raise ValueError(f"mode must be auto, dense, sparse or mixed, got {mode!r}")
+            x, cache = run_layers(mode)(x, cache)
         else:
             # One switch for the whole forward: a conditional costs the GPU a host round trip, too much
             # per layer.
@@ -155,8 +163,8 @@ class MiniCPMForCausalLM(nnx.Module):
         return jnp.dot(h, self.lm_head.kernel[...].astype(h.dtype), preferred_element_type=jnp.float32)
 
     def __call__(
-        self, tokens: jax.Array, cache: KVCache, num_valid: jax.Array | None = None
+        self, tokens: jax.Array, cache: KVCache, num_valid: jax.Array | None = None, mode: str = "auto"
     ) -> tuple[jax.Array, jax.Array, KVCache]:
         """Full forward: returns (fp32 logits ``[B, T, vocab]``, hidden ``[B, T, hidden]``, cache)."""
-        hidden, cache = self.forward(tokens, cache, num_valid)
+        hidden, cache = self.forward(tokens, cache, num_valid, mode)
         return self.logits(hidden), hidden, cache

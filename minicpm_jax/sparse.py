@@ -159,6 +159,16 @@ def sparse_attention(
                      block_size=sparse.block_size, layer=layer)
 
 
+def attention_mode(dense_len: int, lo: int, hi: int) -> str:
+    """The static attention mode for a step whose relevant rows reach between ``lo`` and ``hi`` tokens
+    (cache plus the step's tokens): ``dense`` if all stay below ``dense_len``, ``sparse`` if all reach it,
+    else ``mixed``. Engines decide on the host, so the compiled step holds no conditional (on a GPU a
+    conditional is a host round trip, and one that returns the cache copies it)."""
+    if lo >= dense_len:
+        return "sparse"
+    return "dense" if hi < dense_len else "mixed"
+
+
 def rope_inverse(inv_freq, scale: float):
     """``f(keys [B, N, KVH, D], positions [B, N])`` undoing :func:`~minicpm_jax.rope.apply_rope`."""
     return lambda keys, positions: apply_rope(keys, -positions, inv_freq, 1.0 / scale)

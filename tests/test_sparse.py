@@ -18,7 +18,7 @@ from minicpm_jax.engine import Engine
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model import MiniCPMForCausalLM
 from minicpm_jax.sampling import SamplingParams
-from minicpm_jax.sparse import resolve_sparse, select_blocks
+from minicpm_jax.sparse import attention_mode, resolve_sparse, select_blocks
 from pallas_kernels.sparse_attention import (
     block_sparse_attention,
     block_sparse_attention_reference,
@@ -295,8 +295,9 @@ def test_use_nope_selects_on_pre_rope_keys():
 
 
 def test_generation_mixes_dense_and_sparse_rows_in_one_batch():
-    """End to end through the engine: a batch with one prompt below dense_len and one above (the mixed
-    branch), greedy, equals each prompt generated alone by plain model calls."""
+    """End to end through the engine: a batch with one prompt below dense_len (it crosses dense_len while
+    decoding) and one above, greedy, equals each prompt generated alone by plain model calls (which pick
+    the attention per row on device). The engine picked dense, mixed and sparse steps on the host."""
     model = _model()
     engine = Engine(model, batch_size=2, chunk_length=16)
     prompts = [list(np.random.default_rng(7).integers(3, 97, 12)), list(np.random.default_rng(8).integers(3, 97, 50))]
@@ -312,9 +313,19 @@ def test_generation_mixes_dense_and_sparse_rows_in_one_batch():
             want.append(tok)
             logits, _, cache = _forward(model, cache, jnp.asarray([[tok]], jnp.int32))
         assert out.token_ids[: len(want)] == want and len(want) > 0
+    modes = {dict(key[2]).get("mode") for key in engine._executables if key[0] in ("prefill", "decode")}
+    assert modes == {"dense", "mixed", "sparse"}
 
 
 # ---------------------------------------------------------------------------------------------- settings
+
+
+def test_attention_mode_and_inactive_models():
+    assert [attention_mode(32, lo, hi) for lo, hi in ((40, 50), (10, 31), (10, 32), (31, 40))] == [
+        "sparse", "dense", "mixed", "mixed"]
+    short = _model(max_length=24)  # never reaches dense_len 32: a plain dense model, no compressed caches
+    assert not short.sparse_active and short.new_cache(1).k1 is None
+    assert _model().sparse_active and _model().new_cache(1).k1.shape == (3, 1, 2, 64, 16)
 
 
 def test_resolve_sparse_modes_overrides_and_errors():
