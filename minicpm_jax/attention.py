@@ -112,7 +112,7 @@ class Attention(nnx.Module):
             sp = self.sparse
             unrotate = rope_inverse(inv_freq, rope_scale) if sp.use_nope else None
             cache = extend_compressed(cache, self.layer, positions[:, 0], kv_lengths, sp, max_tokens=t,
-                                      unrotate=unrotate)
+                                      unrotate=unrotate, impl=self.attention_impl)
             sparse_fn = lambda: sparse_attention(  # noqa: E731
                 q, q_nope if sp.use_nope else q, cache, self.layer, positions, kv_lengths, sp, scale=d**-0.5,
                 impl=self.attention_impl)

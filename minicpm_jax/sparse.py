@@ -37,6 +37,7 @@ from minicpm_jax.rope import apply_rope
 from pallas_kernels.sparse_attention import (
     block_sparse_attention,
     block_sparse_attention_reference,
+    compress_step,
     compressed_count,
     compressed_scores,
     compressed_scores_reference,
@@ -78,14 +79,21 @@ def resolve_sparse(
 
 def extend_compressed(
     cache: KVCache, layer: int, old_lengths: jax.Array, new_lengths: jax.Array, sparse: SparseConfig, *,
-    max_tokens: int, unrotate=None,
+    max_tokens: int, unrotate=None, impl: str = "xla",
 ) -> KVCache:
     """Appends to ``layer``'s K1/K2 the windows completed by growing each sequence from ``old_lengths`` to
     ``new_lengths`` (``int32[B]``, at most ``max_tokens`` apart), averaging keys already in ``cache.k``.
 
     unrotate: None, or ``f(keys [B, N, KVH, D], positions int32[B, N]) -> keys`` undoing RoPE
-    (``use_nope``). Means are taken in fp32 and stored in the cache dtype.
+    (``use_nope``). Means are taken in fp32 and stored in the cache dtype. With ``impl="pallas"`` a
+    one-token step (decode) runs as one kernel writing in place (:func:`compress_step`).
     """
+    pow2 = all(n & (n - 1) == 0 for n in (sparse.kernel_size, sparse.kernel_size2))
+    if max_tokens == 1 and unrotate is None and impl == "pallas" and pow2:
+        k1, k2 = compress_step(cache.k, cache.k1, cache.k2, old_lengths, new_lengths, layer=layer,
+                               kernel1=sparse.kernel_size, stride1=sparse.kernel_stride, kernel2=sparse.kernel_size2,
+                               stride2=sparse.kernel_stride2)
+        return dataclasses.replace(cache, k1=k1, k2=k2)
     b = cache.batch_size
     rows = jnp.arange(b)[:, None]
     out = {}

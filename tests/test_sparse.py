@@ -203,6 +203,29 @@ def test_block_sparse_kernel_matches_reference(splits):
                                np.asarray(dense), atol=2e-6)
 
 
+def test_compress_step_kernel_matches_reference_and_the_general_update():
+    """The one-token compressed-cache update: Pallas kernel (interpret mode) = jnp reference = the general
+    chunk update, for rows that complete a fine window, a coarse one, both, none, or did not grow."""
+    from minicpm_jax.cache import KVCache
+    from minicpm_jax.sparse import extend_compressed
+    from pallas_kernels.sparse_attention import compress_step, compress_step_reference
+
+    rng = np.random.default_rng(9)
+    k = jnp.asarray(rng.standard_normal((3, 5, 2, 64, 16)), jnp.float32)
+    k1 = jnp.asarray(rng.standard_normal((3, 5, 2, 32, 16)), jnp.float32)
+    k2 = jnp.asarray(rng.standard_normal((3, 5, 2, 16, 16)), jnp.float32)
+    old, new = jnp.array([3, 15, 20, 40, 2]), jnp.array([4, 16, 20, 41, 3])
+    kw = dict(layer=1, kernel1=4, stride1=2, kernel2=16, stride2=8)
+    ref = compress_step_reference(k, k1, k2, old, new, **kw)
+    got = compress_step(k, k1, k2, old, new, interpret=True, **kw)
+    cache = extend_compressed(KVCache(k=k, v=k, lengths=old, k1=k1, k2=k2), 1, old, new, SMALL, max_tokens=1)
+    for r, g, general, before in zip(ref, got, (cache.k1, cache.k2), (k1, k2)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+        np.testing.assert_allclose(np.asarray(general), np.asarray(r), rtol=1e-6, atol=1e-7)
+    changed = [int(jnp.sum(jnp.any(r != b, axis=-1))) for r, b in zip(ref, (k1, k2))]
+    assert changed == [2 * 2, 1 * 2]  # rows 0 (j=0) and 1 (j=6) in K1; row 1 (j=0) in K2; 2 KV heads each
+
+
 # ------------------------------------------------------------------------------------------- the model
 
 

@@ -16,6 +16,8 @@ from minicpm_jax.model import MiniCPMForCausalLM
 from minicpm_jax.sparse import extend_compressed, select_blocks
 from pallas_kernels.sparse_attention import (
     block_sparse_attention,
+    compress_step,
+    compress_step_reference,
     block_sparse_attention_reference,
     compressed_scores,
     compressed_scores_reference,
@@ -65,6 +67,18 @@ def test_gpu_sparse_kernels_at_8b_dims(length, t):
     out = jax.jit(lambda *a: block_sparse_attention(*a, scale=128**-0.5, block_size=64, layer=1))(
         q, cache.k, cache.v, pos, cache.lengths, blocks)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2e-2)
+
+
+def test_gpu_compress_step_at_8b_dims():
+    sparse = SparseConfig()
+    cache = _caches(4096, sparse)
+    old = jnp.array([4064 - 1], jnp.int32)  # 4064 = 32 + 16*252 = 128 + 64*61: completes a K1 and a K2 window
+    kw = dict(layer=1, kernel1=32, stride1=16, kernel2=128, stride2=64)
+    for new in (old + 1, old + 2, old):
+        ref = compress_step_reference(cache.k, cache.k1, cache.k2, new - 1, new, **kw)
+        got = jax.jit(lambda *a: compress_step(*a, **kw))(cache.k, cache.k1, cache.k2, new - 1, new)
+        for r, g in zip(ref, got):
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), atol=1e-2)
 
 
 def test_gpu_sparse_model_matches_cpu_and_generates_the_same():
