@@ -8,7 +8,7 @@ reference's signature.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,7 @@ from pallas_kernels.attention import (
     kernels_support,
     prefill_attention,
 )
+from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
 
 
 
@@ -43,6 +44,23 @@ def attention_pallas(
 
 AttentionFn = Callable[..., jax.Array]
 ATTENTION_IMPLS: dict[str, AttentionFn] = {"xla": attention_reference, "pallas": attention_pallas}
+# Tree-verification attention (speculative decoding), by the same names.
+TREE_ATTENTION_IMPLS: dict[str, AttentionFn] = {"xla": tree_attention_reference, "pallas": tree_attention}
+
+
+class TreeInputs(NamedTuple):
+    """How a chunk of speculative-tree tokens is stored and what it sees (``pallas_kernels.tree_attention``).
+
+    prefix ``int32[B]``: committed tokens before the tree; mask ``bool[B, T, M]``: token ``i`` sees tree
+    slot ``j`` (slot ``prefix + j``); offset: tree slot of the chunk's first token (``int32`` scalar; a
+    draft step writes after the nodes drafted before it); window (static): committed keys visible, None =
+    all.
+    """
+
+    prefix: jax.Array
+    mask: jax.Array
+    offset: jax.Array | int = 0
+    window: int | None = None
 ATTENTION_CHOICES = ("auto", "xla", "pallas")
 
 
@@ -83,13 +101,17 @@ class Attention(nnx.Module):
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, valid: jax.Array, cache: KVCache, kv_lengths: jax.Array,
-        mode: str = "dense",
+        mode: str = "dense", tree: TreeInputs | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """x ``[B, T, hidden]``, positions ``int32[B, T]``, valid ``bool[B, T]``; returns (``[B, T, hidden]``, cache).
 
         mode (static): ``dense``; ``sparse`` (InfLLM-v2 for every row); ``mixed`` (both, each row taking
         sparse iff ``kv_lengths >= dense_len``). With sparse settings the compressed caches are extended
         in every mode.
+        tree: speculative-tree tokens (:class:`TreeInputs`): token ``i`` is stored at slot
+        ``prefix + offset + i`` (``positions`` are then only its RoPE positions) and attends to the prefix
+        and to the tree slots its mask names; dense attention only, and the compressed caches are left to
+        the committed tokens.
         """
         cfg = self.config
         b, t, _ = x.shape
@@ -102,6 +124,12 @@ class Attention(nnx.Module):
         q_nope = q
         q = apply_rope(q, positions, inv_freq, rope_scale)
         k = apply_rope(k, positions, inv_freq, rope_scale)
+        if tree is not None:
+            slots = tree.prefix[:, None] + tree.offset + jnp.arange(t, dtype=jnp.int32)[None, :]
+            cache = cache.write(self.layer, k, v, slots, valid)
+            out = TREE_ATTENTION_IMPLS[self.attention_impl](q, cache.k, cache.v, tree.prefix, tree.mask, scale=d**-0.5,
+                                                            layer=self.layer, window=tree.window)
+            return self.o_proj(out.reshape(b, t, nq)), cache
         cache = cache.write(self.layer, k, v, positions, valid)
         attend = get_attention_impl(self.attention_impl)
         # The stacked cache goes in whole: kernels read this layer's slice in place.

@@ -21,6 +21,10 @@ Scenarios (``--scenarios``, comma-separated):
   ``bench_int4``). e2e rows for int4 weights come from ``--quants none,int4`` (random int4 weights,
   group ``--quant_group_size``; the decode roofline then counts int4 codes + scales).
 
+* ``spec`` — EAGLE speculative decoding at ``--spec_context``: tree-verify cost vs a plain decode
+  step for ``--spec_tree_sizes``, and oracle-draft rounds (``--spec_oracle_accept K``: exactly K tokens a
+  round) against plain decode, for each of ``--quants``, with the draft / verify / compact split (see
+  ``bench_spec``).
 * ``sparse`` — InfLLM-v2 attention of one layer against the dense Pallas kernels: the whole prefill of
   ``--sparse_prefill_contexts`` prompts in ``--chunk_length`` chunks, and one-token decode at
   ``--sparse_decode_contexts`` (see ``bench_sparse``). e2e rows with sparse attention come from
@@ -50,6 +54,7 @@ import numpy as np
 from absl import app, flags
 
 from minicpm_jax.bench_sparse import bench_sparse, sparse_markdown
+from minicpm_jax.bench_spec import bench_speculative, spec_markdown
 from minicpm_jax.cache import KVCache
 from minicpm_jax.config import ModelConfig, SparseConfig
 from minicpm_jax.engine import Engine
@@ -81,7 +86,7 @@ SHAPES = {
 }
 
 FLAGS = flags.FLAGS
-SCENARIOS = ("e2e", "kernels", "load", "int4", "sparse")
+SCENARIOS = ("e2e", "kernels", "load", "int4", "sparse", "spec")
 flags.DEFINE_list("scenarios", ["e2e"], "Which benchmarks: e2e (prefill + decode), kernels (attention), load, "
                   "int4 (dequant-GEMM), sparse (InfLLM-v2 attention vs dense).")
 flags.DEFINE_enum("shape", "minicpm4-8b", list(SHAPES), "Model shape (random weights).")
@@ -96,6 +101,12 @@ flags.DEFINE_list("sparse_modes", ["off"], "e2e: InfLLM-v2 modes to run (off = d
                   "or MiniCPM4's sparse_config), one row each.")
 flags.DEFINE_list("sparse_prefill_contexts", ["32768", "65536", "131072"], "sparse: prompt lengths.")
 flags.DEFINE_list("sparse_decode_contexts", ["8192", "32768", "131072"], "sparse: cache lengths for decode.")
+flags.DEFINE_integer("spec_context", 1024, "spec: context length of the speculative rows.")
+flags.DEFINE_list("spec_tree_sizes", ["16", "32", "64"], "spec: tree sizes of the verify rows (the largest is used for "
+                  "the oracle rounds).")
+flags.DEFINE_list("spec_oracle_accept", ["3"], "spec: accept lengths forced by the oracle draft (tokens per round).")
+flags.DEFINE_integer("spec_oracle_tree_size", 32, "spec: tree nodes of the oracle rounds.")
+flags.DEFINE_integer("spec_frspec_vocab", 32768, "spec: FR-Spec draft vocabulary of the oracle rounds (0 = full).")
 flags.DEFINE_list("prefill_contexts", ["2048", "8192", "32768"], "kernels: causal prompt lengths.")
 flags.DEFINE_list("decode_contexts", ["1024", "8192", "32768", "131072"], "kernels: cache lengths for decode.")
 flags.DEFINE_integer("batch_size", 1, "Sequences decoded together.")
@@ -623,6 +634,13 @@ def _main():
                                         _int_list("sparse_decode_contexts", FLAGS.sparse_decode_contexts),
                                         FLAGS.chunk_length, dtype, FLAGS.repeats)
         tables.append(sparse_markdown(result["sparse"]))
+    if "spec" in FLAGS.scenarios:
+        result["spec"] = bench_speculative(ModelConfig.from_dict(SHAPES[FLAGS.shape]), FLAGS.spec_context,
+                                           _int_list("spec_tree_sizes", FLAGS.spec_tree_sizes),
+                                           _int_list("spec_oracle_accept", FLAGS.spec_oracle_accept), FLAGS.quants,
+                                           quant_spec.group_size, dtype, FLAGS.decode_steps, FLAGS.repeats,
+                                           random_model, FLAGS.spec_oracle_tree_size, FLAGS.spec_frspec_vocab)
+        tables.append(spec_markdown(result["spec"]))
     if "e2e" in FLAGS.scenarios:
         rows = []
         dump_hlo = FLAGS.dump_hlo

@@ -71,6 +71,7 @@ class GenerationStats:
     decode_tokens: int = 0
     decode_time: float = 0.0
     compile_time: float = 0.0  # spent compiling new shapes during the call (not in the times above)
+    spec_accepted: list[int] | None = None  # speculative decoding: rounds that emitted 0, 1, 2 ... tokens
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -89,6 +90,19 @@ class GenerationStats:
             "decode_time_s": self.decode_time,
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "compile_time_s": self.compile_time,
+            **(self.spec_summary() if self.spec_accepted is not None else {}),
+        }
+
+    def spec_summary(self) -> dict:
+        """Speculative rounds, mean accept length (tokens per round) and per-depth acceptance (fraction of
+        rounds whose draft was right at depth 1, 2, ...)."""
+        counts = np.asarray(self.spec_accepted, np.int64)
+        rounds = int(counts.sum())
+        lengths = np.arange(len(counts))
+        return {
+            "spec_rounds": rounds,
+            "mean_accept_length": float((counts * lengths).sum() / rounds) if rounds else 0.0,
+            "depth_acceptance": [float(counts[d + 1 :].sum() / rounds) if rounds else 0.0 for d in range(1, len(counts) - 1)],
         }
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from minicpm_jax.attention import Attention, resolve_attention_impl
+from minicpm_jax.attention import Attention, TreeInputs, resolve_attention_impl
 from minicpm_jax.cache import KVCache
 from minicpm_jax.config import ModelConfig, SparseConfig
 from minicpm_jax.errors import MiniCPMError
@@ -37,8 +37,8 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size, rngs=rngs, dtype=dtype, quant=quant,
                        impl=attention_impl)
 
-    def __call__(self, x, positions, valid, cache: KVCache, kv_lengths, mode: str = "dense"):
-        attn, cache = self.self_attn(self.input_layernorm(x), positions, valid, cache, kv_lengths, mode)
+    def __call__(self, x, positions, valid, cache: KVCache, kv_lengths, mode: str = "dense", tree=None):
+        attn, cache = self.self_attn(self.input_layernorm(x), positions, valid, cache, kv_lengths, mode, tree)
         x = x + attn * jnp.asarray(self.residual_scale, x.dtype)
         x = x + self.mlp(self.post_attention_layernorm(x)) * jnp.asarray(self.residual_scale, x.dtype)
         return x, cache
@@ -109,7 +109,8 @@ class MiniCPMForCausalLM(nnx.Module):
         return KVCache.create(self.config, batch_size, max_length or self.max_length, self.dtype, sparse)
 
     def forward(
-        self, tokens: jax.Array, cache: KVCache, num_valid: jax.Array | None = None, mode: str = "auto"
+        self, tokens: jax.Array, cache: KVCache, num_valid: jax.Array | None = None, mode: str = "auto",
+        tree: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Runs ``tokens int32[B, T]`` appended after each sequence's cached tokens.
 
@@ -119,6 +120,11 @@ class MiniCPMForCausalLM(nnx.Module):
         (a row is sparse iff its length after this call reaches ``dense_len``); ``dense``, ``sparse`` or
         ``mixed`` (both, picked per row) fix it at trace time, as the engine does from lengths it knows
         (:func:`~minicpm_jax.sparse.attention_mode`), so the compiled step has no conditional.
+        tree: ``(depths int32[B, T], tree_mask bool[B, T, T])`` verifies a speculative token tree: token
+        ``i`` goes to cache slot ``length + i`` with RoPE position ``length + depths[:, i]`` and attends to
+        the cached tokens and to the tree tokens ``j`` with ``tree_mask[:, i, j]`` (its ancestors and
+        itself); the cache length advances by T and is set to the committed length afterwards
+        (:func:`~minicpm_jax.speculative.compact_cache`). Dense attention only.
         Returns the final-normed hidden states ``[B, T, hidden]`` (model dtype) and the updated cache.
         """
         b, t = tokens.shape
@@ -128,6 +134,11 @@ class MiniCPMForCausalLM(nnx.Module):
             raise MiniCPMError("this model uses InfLLM-v2 sparse attention: make its cache with model.new_cache(...)")
         steps = jnp.arange(t, dtype=jnp.int32)
         positions = cache.lengths[:, None] + steps[None, :]
+        if tree is not None:
+            depths, tree_mask = tree
+            positions = cache.lengths[:, None] + depths
+            tree = TreeInputs(cache.lengths, tree_mask)
+            mode = "dense"
         valid = steps[None, :] < num_valid[:, None]
         kv_lengths = cache.lengths + num_valid
         x = self.model.embed_tokens(tokens).astype(self.dtype) * jnp.asarray(self.config.scale_emb, self.dtype)
@@ -135,11 +146,11 @@ class MiniCPMForCausalLM(nnx.Module):
         def run_layers(mode):
             def run(x, cache):
                 for layer in self.model.layers:
-                    x, cache = layer(x, positions, valid, cache, kv_lengths, mode)
+                    x, cache = layer(x, positions, valid, cache, kv_lengths, mode, tree)
                 return x, cache
             return run
 
-        if not self.sparse_active:
+        if not self.sparse_active or tree is not None:
             x, cache = run_layers("dense")(x, cache)
         elif mode != "auto":
             if mode not in ("dense", "sparse", "mixed"):
@@ -163,8 +174,9 @@ class MiniCPMForCausalLM(nnx.Module):
         return jnp.dot(h, self.lm_head.kernel[...].astype(h.dtype), preferred_element_type=jnp.float32)
 
     def __call__(
-        self, tokens: jax.Array, cache: KVCache, num_valid: jax.Array | None = None, mode: str = "auto"
+        self, tokens: jax.Array, cache: KVCache, num_valid: jax.Array | None = None, mode: str = "auto",
+        tree: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, jax.Array, KVCache]:
         """Full forward: returns (fp32 logits ``[B, T, vocab]``, hidden ``[B, T, hidden]``, cache)."""
-        hidden, cache = self.forward(tokens, cache, num_valid, mode)
+        hidden, cache = self.forward(tokens, cache, num_valid, mode, tree)
         return self.logits(hidden), hidden, cache

@@ -12,7 +12,7 @@ from absl import flags
 from minicpm_jax.errors import MiniCPMError
 
 FLAGS = flags.FLAGS
-_M, _S = "model", "system"
+_M, _S, _SP = "model", "system", "speculative"
 
 flags.DEFINE_string("model_path", None, "HF model directory or native (converted) directory; omitted: the "
                     "SmolLM2 demo model.", module_name=_M)
@@ -40,6 +40,19 @@ flags.DEFINE_integer("max_length", 2048, "Static KV-cache length: prompt plus ge
 flags.DEFINE_integer("chunk_length", 512, "Prefill chunk length (one compiled shape).", module_name=_M)
 flags.DEFINE_integer("decode_block", 16, "Decode steps per host round trip (streaming granularity).", module_name=_M)
 
+flags.DEFINE_string("draft_path", None, "EAGLE-1/2 draft directory (CPM.cu MiniCPM4 EAGLE or SafeAILab Llama EAGLE "
+                    "format): decode with speculative trees. Omitted: plain decoding.", module_name=_SP)
+flags.DEFINE_integer("spec_num_iter", 2, "Draft steps per round = deepest tree level (up to num_iter + 1 tokens per "
+                     "round).", module_name=_SP)
+flags.DEFINE_integer("spec_topk_per_iter", 10, "Children per expanded draft node and frontier width.", module_name=_SP)
+flags.DEFINE_integer("spec_tree_size", 12, "Tree nodes verified per round, root included (<= 64).", module_name=_SP)
+flags.DEFINE_integer("spec_window_size", 1024, "Committed tokens the draft attends to during rounds (0 = all).",
+                     module_name=_SP)
+flags.DEFINE_string("frspec_path", None, "FR-Spec index: CPM.cu freq_<V>.pt, a .npy or a text file of token ids, or "
+                    "a directory holding freq_<--frspec_vocab_size>.pt.", module_name=_SP)
+flags.DEFINE_integer("frspec_vocab_size", 32768, "FR-Spec: keep this many most frequent ids (and pick the file in a "
+                     "directory).", module_name=_SP)
+
 
 flags.DEFINE_boolean("compilation_cache", True, "Persistent JAX compilation cache in $MINICPM_JAX_CACHE/jax_cache.",
                      module_name=_S)
@@ -56,6 +69,17 @@ def validate_model_flags() -> None:
     for name in ("max_length", "chunk_length", "decode_block"):
         if getattr(FLAGS, name) < 1:
             raise MiniCPMError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+    if FLAGS.draft_path is not None:
+        if not os.path.isdir(FLAGS.draft_path):
+            raise MiniCPMError(f"--draft_path {FLAGS.draft_path!r} is not a directory")
+        spec_config_from_flags()
+    if FLAGS.frspec_path is not None:
+        if FLAGS.draft_path is None:
+            raise MiniCPMError("--frspec_path needs --draft_path (FR-Spec restricts the draft's vocabulary)")
+        if not os.path.exists(FLAGS.frspec_path):
+            raise MiniCPMError(f"--frspec_path {FLAGS.frspec_path!r} does not exist")
+        if FLAGS.frspec_vocab_size < 1:
+            raise MiniCPMError(f"--frspec_vocab_size must be >= 1, got {FLAGS.frspec_vocab_size}")
     for name, field, low in (("sparse_topk", "topk", 1), ("dense_len", "dense_len", 1), ("sparse_window", "window_size", 0)):
         val = getattr(FLAGS, name)
         if val is not None and val < low:
@@ -114,3 +138,32 @@ def load_from_flags(*, progress: bool = True):
                                                                   dense_len=FLAGS.dense_len))
     tokenizer = load_tokenizer(model_path)
     return model_path, model, tokenizer, time.perf_counter() - t0
+
+
+def spec_config_from_flags():
+    """The speculative tree settings of the flags (checked)."""
+    from minicpm_jax.speculative import SpecConfig
+
+    return SpecConfig(num_iter=FLAGS.spec_num_iter, topk_per_iter=FLAGS.spec_topk_per_iter,
+                      tree_size=FLAGS.spec_tree_size, window_size=FLAGS.spec_window_size).check()
+
+
+def make_engine(model, *, batch_size: int):
+    """A plain :class:`~minicpm_jax.engine.Engine`, or a speculative one when ``--draft_path`` is given
+    (the draft loaded for ``model``, with the FR-Spec subset of ``--frspec_path``)."""
+    from minicpm_jax.engine import Engine
+
+    if FLAGS.draft_path is None:
+        return Engine(model, batch_size=batch_size, chunk_length=FLAGS.chunk_length, decode_block=FLAGS.decode_block)
+    from minicpm_jax.eagle import load_draft, read_frspec
+    from minicpm_jax.speculative import SpeculativeEngine
+
+    draft = load_draft(FLAGS.draft_path, model.config, max_length=model.max_length,
+                       attention_impl=model.attention_impl, dtype=model.dtype)
+    ids = None
+    if FLAGS.frspec_path is not None:
+        ids = read_frspec(FLAGS.frspec_path, model.config.vocab_size, FLAGS.frspec_vocab_size)
+    # decode_block counts rounds here: keep about the same tokens per host round trip.
+    rounds = max(1, FLAGS.decode_block // max(1, FLAGS.spec_num_iter))
+    return SpeculativeEngine(model, draft, spec=spec_config_from_flags(), frspec_ids=ids, batch_size=batch_size,
+                             chunk_length=FLAGS.chunk_length, decode_block=rounds)

@@ -7,6 +7,8 @@ Flag groups (see --helpfull for every flag with its default):
                --decode_block
   prompt:      --prompt_text --prompt_file --use_chat_template --enable_thinking --system_prompt
   generation:  --num_generate --temperature --top_p --top_k --seed --ignore_eos --stop
+  speculative: --draft_path --spec_num_iter --spec_topk_per_iter --spec_tree_size --spec_window_size
+               --frspec_path --frspec_vocab_size
   output:      --stream --plain_output --stats --json_output --interactive
   system:      --compilation_cache
 """
@@ -23,7 +25,8 @@ from absl import app, flags
 
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model_flags import (
-    enable_compilation_cache, fail, load_from_flags, sparse_description, validate_model_flags, weights_description,
+    enable_compilation_cache, fail, load_from_flags, make_engine, sparse_description, validate_model_flags,
+    weights_description,
 )
 from minicpm_jax.tokenizer import TextStream
 
@@ -99,6 +102,11 @@ def format_stats(stats, plain: bool) -> str:
         ("Decode time", f"{stats.decode_time:.3f} s"),
         ("Decode speed", f"{stats.decode_tokens_per_s:.1f} tokens/s"),
     ]
+    if stats.spec_accepted is not None:
+        spec = stats.spec_summary()
+        depths = " ".join(f"{x:.2f}" for x in spec["depth_acceptance"])
+        rows.append(("Mean accept length", f"{spec['mean_accept_length']:.2f} tokens/round over {spec['spec_rounds']} "
+                                           f"rounds (per-depth acceptance {depths})"))
     if stats.compile_time > 0.05:
         rows.append(("Compile time", f"{stats.compile_time:.3f} s (not in the times above)"))
     body = "\n".join(f"{k}: {v}" if plain else f"  {k:<15} {v}" for k, v in rows)
@@ -109,11 +117,10 @@ class Runner:
     """Loads the model once and serves one-shot or interactive generation."""
 
     def __init__(self):
-        from minicpm_jax.engine import Engine
         from minicpm_jax.tokenizer import stop_token_ids
 
         self.model_path, model, self.tokenizer, self.load_time = load_from_flags(progress=not FLAGS.json_output)
-        self.engine = Engine(model, batch_size=1, chunk_length=FLAGS.chunk_length, decode_block=FLAGS.decode_block)
+        self.engine = make_engine(model, batch_size=1)
         self.stop_ids = [] if FLAGS.ignore_eos else stop_token_ids(model.config, self.tokenizer, self.model_path)
         self.stop_ids += self._single_token_stops(FLAGS.stop)
         self.seed = FLAGS.seed if FLAGS.seed is not None else random.SystemRandom().randrange(2**31)

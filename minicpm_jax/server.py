@@ -354,6 +354,9 @@ def _serve() -> None:
     from minicpm_jax.tokenizer import stop_token_ids
 
     validate_model_flags()
+    if FLAGS.draft_path is not None:
+        raise MiniCPMError("the server does not run speculative decoding yet (its continuous batching uses plain "
+                           "decode steps); drop --draft_path, or use `python -m minicpm_jax.run --draft_path ...`")
     for name in ("max_batch_size", "max_body_bytes"):
         if getattr(FLAGS, name) < 1:
             raise MiniCPMError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")

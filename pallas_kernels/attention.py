@@ -107,9 +107,10 @@ def attention_reference(
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-def _attend_block(q, k_ref, v_ref, start, carry, *, qk_scale, block_k, pos=None, kv_len=None, lo=None):
+def _attend_block(q, k_ref, v_ref, start, carry, *, qk_scale, block_k, pos=None, kv_len=None, lo=None, mask=None):
     """One online-softmax step over keys ``[start, start + block_k)``; masked iff ``pos`` is given (keys
-    past ``pos`` per row, at or past ``kv_len``, and below ``lo`` if given, are invisible).
+    past ``pos`` per row, at or past ``kv_len``, below ``lo`` if given, and where ``mask bool[M, block_k]``
+    is False if given, are invisible).
 
     q ``[M, D]``; carry = (acc fp32 ``[M, D]``, running max ``[M]`` (log2 units), running sum ``[M]``).
     """
@@ -131,6 +132,8 @@ def _attend_block(q, k_ref, v_ref, start, carry, *, qk_scale, block_k, pos=None,
     s = s * qk_scale
     if pos is not None:
         visible = (key[None, :] <= pos[:, None]) & in_range[None, :]
+        if mask is not None:
+            visible = visible & mask
         s = jnp.where(visible, s, _MASKED)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     p = jnp.exp2(s - m_new[:, None])

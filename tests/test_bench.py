@@ -88,6 +88,21 @@ def test_bench_sparse_smoke_on_cpu(tmp_path):
     assert bad.returncode == 2 and "unknown maybe" in bad.stderr
 
 
+def test_bench_spec_smoke_on_cpu(tmp_path):
+    """The spec scenario times verify forwards and oracle rounds, and the oracle forces the accept length."""
+    out = tmp_path / "bench.json"
+    r = _bench("--scenarios", "spec", "--shape", "smollm2-135m", "--spec_context", "48", "--spec_tree_sizes", "8",
+               "--spec_oracle_tree_size", "12", "--spec_frspec_vocab", "512", "--decode_steps", "13", "--repeats", "1",
+               "--dtype", "float32", "--json_out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads(out.read_text())["spec"]["rows"][0]
+    assert row["verify"][0]["tree_size"] == 8 and row["verify"][0]["ms"][0] > 0
+    oracle = row["oracle"][0]
+    assert oracle["mean_accept_length"] == 3.0 and oracle["frspec_vocab"] == 512
+    assert set(oracle["split_ms"]) == {"draft", "verify", "compact", "accept_and_rest"}
+    assert "| none | 3.00 | 12 (512) |" in r.stdout
+
+
 def test_plot_from_saved_json(tmp_path):
     result = {
         "device": "test", "shape": "minicpm4-8b",

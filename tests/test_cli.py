@@ -154,3 +154,36 @@ def test_bad_sparse_flags(flag, value, message):
 
 def test_bad_attention_impl():
     _assert_one_line_error(_run("--attention_impl", "cuda"), "attention_impl")
+
+
+def test_speculative_run_with_a_random_draft_gives_the_plain_greedy_text(smollm2_dir, tmp_path):
+    """SmolLM2 with a random-init EAGLE draft (Llama kind): greedy speculative output is the plain greedy
+    output, and the stats report the acceptance."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from minicpm_jax.config import ModelConfig
+    from minicpm_jax.eagle import DraftSpec, EagleDraft, save_draft
+
+    cfg = ModelConfig.from_pretrained(smollm2_dir)
+    draft = EagleDraft(DraftSpec.for_target(cfg), max_length=256, attention_impl="xla", dtype=jnp.float32,
+                       rngs=nnx.Rngs(0))
+    save_draft(draft, str(tmp_path / "draft"))
+    common = ("--prompt_text", "What is the capital of France?", "--num_generate", "12", "--max_length", "256",
+              "--chunk_length", "64", "--json_output")
+    plain = _run(*common)
+    spec = _run(*common, "--draft_path", str(tmp_path / "draft"), "--spec_num_iter", "3", "--spec_tree_size", "16")
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    plain_out, spec_out = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert spec_out["text"] == plain_out["text"] and "Paris" in spec_out["text"]
+    assert spec_out["stats"]["spec_rounds"] >= 1 and spec_out["stats"]["mean_accept_length"] >= 1.0
+    assert len(spec_out["stats"]["depth_acceptance"]) == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--draft_path", "/nonexistent/draft"), "is not a directory"),
+    (("--frspec_path", "/tmp"), "needs --draft_path"),
+    (("--draft_path", "/tmp", "--spec_tree_size", "65"), "spec_tree_size"),
+])
+def test_bad_speculative_flags(args, message):
+    _assert_one_line_error(_run(*args), message)

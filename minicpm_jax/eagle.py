@@ -1,0 +1,361 @@
+"""EAGLE draft models for speculative decoding, their checkpoints, and FR-Spec vocabulary subsets.
+
+Two draft architectures, both one decoder layer over ``x = fc([embedding; target feature])`` whose output
+goes through the *target's* lm_head (no final norm):
+
+* ``minicpm`` — MiniCPM4 EAGLE as CPM.cu runs it: ``x = fc([RMSNorm₁(E[tok]·scale_emb); RMSNorm₂(f)])``,
+  a pre-norm MiniCPM layer whose residual branches are scaled by ``scale_depth / sqrt(L_target + 1)``
+  (CPM.cu's constant), logits ``lm_head(x · dim_model_base / hidden)``. Tensors: ``fc.weight [H, 2H]``
+  (embedding half first), ``fc.bias``, ``input_norm1.weight``, ``input_norm2.weight``, ``layers.0.*``.
+* ``llama`` — SafeAILab EAGLE-1/2: ``x = fc([E[tok]; f])`` (with bias), a Llama layer *without* its input
+  norm, unscaled residuals. Tensors: ``fc.weight``, ``fc.bias``, ``layers.0.{self_attn,mlp}.*``,
+  ``layers.0.post_attention_layernorm.weight``.
+
+``f`` is the target's final-normed hidden state at the previous position (and, inside a draft tree, the
+draft's own output for its parent). The draft shares the target's embedding, RoPE and lm_head.
+
+FR-Spec (:func:`read_frspec`): the draft's top-k runs over a frequency-ranked vocabulary subset; the
+draft head is those rows of the target lm_head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import os
+import pickle
+import zipfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from minicpm_jax.attention import Attention, TreeInputs
+from minicpm_jax.cache import KVCache
+from minicpm_jax.config import ModelConfig, read_config_json
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.layers import MLP, Linear, RMSNorm
+
+DRAFT_KINDS = ("minicpm", "llama")
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftSpec:
+    """Shape of an EAGLE draft.
+
+    kind: ``minicpm`` or ``llama`` (see the module doc). layer: the decoder layer's hyper-parameters
+    (``num_layers`` 1; hidden size, vocabulary and RoPE of the target). residual_scale: multiplier of
+    both residual branches.
+    """
+
+    kind: str
+    layer: ModelConfig
+    residual_scale: float
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, kind: str | None = None, **layer_overrides) -> "DraftSpec":
+        """A draft shaped like one target layer (``kind`` default: ``minicpm`` for MiniCPM targets)."""
+        kind = kind or ("minicpm" if target.model_type.startswith("minicpm") else "llama")
+        if kind not in DRAFT_KINDS:
+            raise MiniCPMError(f"draft kind must be one of {', '.join(DRAFT_KINDS)}, got {kind!r}")
+        layer = dataclasses.replace(target, num_layers=1, sparse=None, quantization_json=None, **layer_overrides)
+        scale = target.scale_depth / math.sqrt(target.num_layers + 1) if kind == "minicpm" else 1.0
+        return cls(kind, layer, scale)
+
+
+class EagleDraft(nnx.Module):
+    """One-layer EAGLE draft (``minicpm`` or ``llama`` kind) over its own one-layer :class:`KVCache`.
+
+    Args:
+      spec: the draft's shape (:meth:`DraftSpec.for_target`).
+      max_length: the target's cache length (RoPE factors follow it, as in the target).
+      attention_impl: ``xla`` or ``pallas`` (the draft's tree attention).
+      rngs: random initialisation (tests, benchmarks); None gives zeros, to be loaded.
+    """
+
+    def __init__(self, spec: DraftSpec, *, max_length: int, attention_impl: str, dtype=jnp.float32,
+                 rngs: nnx.Rngs | None = None):
+        cfg = spec.layer
+        h = cfg.hidden_size
+        self.spec = spec
+        self.dtype = jnp.dtype(dtype)
+        self.fc = Linear(2 * h, h, rngs=rngs, dtype=dtype)
+        self.fc_bias = nnx.Param(jnp.zeros((h,), dtype))
+        if spec.kind == "minicpm":
+            self.input_norm1 = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+            self.input_norm2 = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+            self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(cfg, 0, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(h, cfg.intermediate_size, rngs=rngs, dtype=dtype, quant=None, impl=attention_impl)
+
+    def new_cache(self, batch_size: int, max_length: int) -> KVCache:
+        """An empty one-layer cache for ``max_length`` draft positions."""
+        return KVCache.create(self.spec.layer, batch_size, max_length, self.dtype)
+
+    def __call__(self, embedded: jax.Array, features: jax.Array, positions: jax.Array, valid: jax.Array,
+                 cache: KVCache, tree: TreeInputs | None = None) -> tuple[jax.Array, KVCache]:
+        """One draft step over T tokens.
+
+        embedded ``[B, T, H]``: the target's scaled token embeddings; features ``[B, T, H]``: the
+        feature each token is paired with; positions ``int32[B, T]`` (RoPE); valid ``bool[B, T]``.
+        Without ``tree`` the tokens are appended causally at the cache length (prefill; the length
+        advances by the valid count); with it they are tree tokens (:class:`TreeInputs`; length unchanged).
+        Returns the draft hidden states ``[B, T, H]`` (before the lm_head, no final norm) and the cache.
+        """
+        dt = self.dtype
+        e, f = embedded.astype(dt), features.astype(dt)
+        if self.spec.kind == "minicpm":
+            e, f = self.input_norm1(e), self.input_norm2(f)
+        x = self.fc(jnp.concatenate([e, f], axis=-1)) + self.fc_bias[...].astype(dt)
+        a = self.input_layernorm(x) if self.spec.kind == "minicpm" else x
+        kv_lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)
+        attn, cache = self.self_attn(a, positions, valid, cache, kv_lengths, "dense", tree)
+        s = jnp.asarray(self.spec.residual_scale, dt)
+        x = x + attn * s
+        x = x + self.mlp(self.post_attention_layernorm(x)) * s
+        if tree is None:
+            cache = dataclasses.replace(cache, lengths=kv_lengths)
+        return x, cache
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+
+
+def _read_tensors(path: str) -> dict[str, np.ndarray]:
+    """All tensors of a draft directory: ``*.safetensors``, else ``pytorch_model.bin`` (needs torch)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    tensors: dict[str, np.ndarray] = {}
+    if files:
+        for f in files:
+            try:
+                tensors.update(load_file(os.path.join(path, f)))
+            except (SafetensorError, OSError, ValueError) as e:
+                raise MiniCPMError(f"{os.path.join(path, f)} is not a readable safetensors file ({e})") from None
+        return tensors
+    binary = os.path.join(path, "pytorch_model.bin")
+    if not os.path.isfile(binary):
+        raise MiniCPMError(f"no *.safetensors or pytorch_model.bin in the draft directory {path!r}")
+    try:
+        import torch
+    except ImportError:
+        raise MiniCPMError(f"{binary} is a PyTorch file: install torch to read it, or convert it to safetensors") from None
+    try:
+        state = torch.load(binary, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
+        raise MiniCPMError(f"cannot read {binary}: {e}") from None
+    return {k: v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy() for k, v in state.items()}
+
+
+def draft_kind_of(names: set[str]) -> str:
+    """``minicpm`` or ``llama`` from a draft checkpoint's tensor names; a clear error for other formats."""
+    if any(n.startswith("midlayer.") for n in names) or "d2t" in names:
+        raise MiniCPMError("EAGLE-3 drafts (midlayer.*, d2t) are not supported yet; use an EAGLE-1/2 draft")
+    if any(".eagle_layers." in n for n in names):
+        raise MiniCPMError("vLLM-format EAGLE drafts (model.eagle_layers.*) are not supported yet; use CPM.cu's format")
+    if "fc.weight" not in names:
+        raise MiniCPMError("not an EAGLE draft checkpoint: it has no fc.weight tensor")
+    return "minicpm" if "input_norm1.weight" in names else "llama"
+
+
+def load_draft(path: str, target: ModelConfig, *, max_length: int, attention_impl: str, dtype) -> EagleDraft:
+    """Loads an EAGLE-1/2 draft directory (tensors plus an optional ``config.json``) for ``target``.
+
+    The draft layer's head counts and MLP width come from its ``config.json`` (default: the target's);
+    its hidden size and vocabulary must match the target's. Missing, unexpected or misshapen tensors
+    raise one MiniCPMError listing them.
+    """
+    if not os.path.isdir(path):
+        raise MiniCPMError(f"draft checkpoint directory {path!r} does not exist")
+    tensors = _read_tensors(path)
+    names = set(tensors)
+    kind = draft_kind_of(names)
+    overrides = {}
+    if os.path.isfile(os.path.join(path, "config.json")):
+        raw = read_config_json(path)
+        for key in ("hidden_size", "vocab_size"):
+            if key in raw and raw[key] != getattr(target, key):
+                raise MiniCPMError(f"draft config {key} = {raw[key]} does not match the target's {getattr(target, key)}")
+        for key, field in (("num_attention_heads", "num_heads"), ("num_key_value_heads", "num_kv_heads"),
+                           ("intermediate_size", "intermediate_size"), ("head_dim", "head_dim")):
+            if isinstance(raw.get(key), int):
+                overrides[field] = raw[key]
+        if "num_attention_heads" in raw and "head_dim" not in raw:
+            overrides["head_dim"] = target.hidden_size // raw["num_attention_heads"]
+        if "num_attention_heads" in raw and "num_key_value_heads" not in raw:
+            overrides["num_kv_heads"] = raw["num_attention_heads"]
+    spec = DraftSpec.for_target(target, kind, **overrides)
+    cfg = spec.layer
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
+    pre = "layers.0."
+    want = {"fc.weight": (h, 2 * h), pre + "self_attn.o_proj.weight": (h, nq), pre + "mlp.down_proj.weight": (h, i),
+            pre + "post_attention_layernorm.weight": (h,)}
+    if pre + "self_attn.qkv_proj.weight" in names:
+        want[pre + "self_attn.qkv_proj.weight"] = (nq + 2 * nkv, h)
+    else:
+        want.update({pre + "self_attn.q_proj.weight": (nq, h), pre + "self_attn.k_proj.weight": (nkv, h),
+                     pre + "self_attn.v_proj.weight": (nkv, h)})
+    if pre + "mlp.gate_up_proj.weight" in names:
+        want[pre + "mlp.gate_up_proj.weight"] = (2 * i, h)
+    else:
+        want.update({pre + "mlp.gate_proj.weight": (i, h), pre + "mlp.up_proj.weight": (i, h)})
+    if kind == "minicpm":
+        want.update({"input_norm1.weight": (h,), "input_norm2.weight": (h,), pre + "input_layernorm.weight": (h,)})
+    optional = {"fc.bias": (h,), "embed_tokens.weight": (cfg.vocab_size, h)}  # the embedding is the target's
+    problems = [f"missing tensor {n} (expected shape {list(s)})" for n, s in want.items() if n not in names]
+    problems += [f"tensor {n} has shape {list(tensors[n].shape)}, expected {list(s)}"
+                 for n, s in {**want, **optional}.items() if n in names and tuple(tensors[n].shape) != s]
+    problems += [f"unexpected tensor {n}" for n in sorted(names - set(want) - set(optional))
+                 if not n.endswith("rotary_emb.inv_freq")]
+    if problems:
+        raise MiniCPMError(f"draft checkpoint {path!r} does not match its target:\n  " + "\n  ".join(problems))
+
+    def t(name):  # checkpoint [out, in] -> engine [in, out]
+        return jnp.asarray(tensors[name].T, dtype)
+
+    def cat(*names):
+        return jnp.concatenate([t(n) for n in names], axis=1)
+
+    draft = nnx.eval_shape(lambda: EagleDraft(spec, max_length=max_length, attention_impl=attention_impl, dtype=dtype))
+    qkv = ([pre + "self_attn.qkv_proj.weight"] if pre + "self_attn.qkv_proj.weight" in names
+           else [pre + f"self_attn.{p}_proj.weight" for p in "qkv"])
+    gate_up = ([pre + "mlp.gate_up_proj.weight"] if pre + "mlp.gate_up_proj.weight" in names
+               else [pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"])
+    values = {
+        ("fc", "kernel"): t("fc.weight"),
+        ("fc_bias",): jnp.asarray(tensors["fc.bias"], dtype) if "fc.bias" in names else jnp.zeros((h,), dtype),
+        ("self_attn", "qkv_proj", "kernel"): cat(*qkv),
+        ("self_attn", "o_proj", "kernel"): t(pre + "self_attn.o_proj.weight"),
+        ("mlp", "gate_up_proj", "kernel"): cat(*gate_up),
+        ("mlp", "down_proj", "kernel"): t(pre + "mlp.down_proj.weight"),
+        ("post_attention_layernorm", "weight"): jnp.asarray(tensors[pre + "post_attention_layernorm.weight"], dtype),
+    }
+    if kind == "minicpm":
+        for name in ("input_norm1", "input_norm2"):
+            values[(name, "weight")] = jnp.asarray(tensors[f"{name}.weight"], dtype)
+        values[("input_layernorm", "weight")] = jnp.asarray(tensors[pre + "input_layernorm.weight"], dtype)
+    graphdef, state = nnx.split(draft)
+    flat = dict(nnx.to_flat_state(state))
+    for key, var in flat.items():
+        value = values[key]
+        var.set_value(value) if hasattr(var, "set_value") else setattr(var, "value", value)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def save_draft(draft: EagleDraft, path: str) -> None:
+    """Writes ``draft`` in CPM.cu / SafeAILab tensor names (``model.safetensors`` + ``config.json``,
+    atomically), the format :func:`load_draft` reads."""
+    from safetensors.numpy import save_file
+
+    cfg = draft.spec.layer
+    nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+    def w(x):  # engine [in, out] -> checkpoint [out, in], fp32
+        return np.asarray(jnp.asarray(x[...], jnp.float32)).T.copy()
+
+    qkv = w(draft.self_attn.qkv_proj.kernel)
+    gate, up = np.split(w(draft.mlp.gate_up_proj.kernel), 2, axis=0)
+    pre = "layers.0."
+    tensors = {
+        "fc.weight": w(draft.fc.kernel), "fc.bias": np.asarray(draft.fc_bias[...], np.float32),
+        pre + "self_attn.q_proj.weight": qkv[:nq], pre + "self_attn.k_proj.weight": qkv[nq : nq + nkv],
+        pre + "self_attn.v_proj.weight": qkv[nq + nkv :], pre + "self_attn.o_proj.weight": w(draft.self_attn.o_proj.kernel),
+        pre + "mlp.gate_proj.weight": gate, pre + "mlp.up_proj.weight": up, pre + "mlp.down_proj.weight": w(draft.mlp.down_proj.kernel),
+        pre + "post_attention_layernorm.weight": np.asarray(draft.post_attention_layernorm.weight[...], np.float32),
+    }
+    if draft.spec.kind == "minicpm":
+        for name in ("input_norm1", "input_norm2", "input_layernorm"):
+            key = pre + name + ".weight" if name == "input_layernorm" else name + ".weight"
+            tensors[key] = np.asarray(getattr(draft, name).weight[...], np.float32)
+    config = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_attention_heads": cfg.num_heads,
+              "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+              "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1}
+    tmp = path.rstrip("/") + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    save_file(tensors, os.path.join(tmp, "model.safetensors"))
+    with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+        import json
+        json.dump(config, f, indent=1)
+    if os.path.exists(path):
+        raise MiniCPMError(f"{path!r} already exists")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------- FR-Spec
+
+
+class _ListOnlyUnpickler(pickle.Unpickler):
+    """Unpickles plain Python data only (a torch.save'd list of ints needs nothing else)."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}: an FR-Spec index is a plain list of ids")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("the file holds tensors, not a plain list of token ids")
+
+
+def _unpickle_torch_save(data: bytes) -> object:
+    """The object of a ``torch.save`` file holding plain Python data, read without torch (zip format,
+    or the legacy format: magic number, protocol, sys info, then the object)."""
+    if data[:4] == b"PK\x03\x04":
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            name = next((n for n in z.namelist() if n.endswith("data.pkl")), None)
+            if name is None:
+                raise pickle.UnpicklingError("zip file without data.pkl")
+            return _ListOnlyUnpickler(io.BytesIO(z.read(name))).load()
+    stream = io.BytesIO(data)
+    first = _ListOnlyUnpickler(stream).load()
+    if isinstance(first, int) and first == 0x1950A86A20F9469CFC6C:  # torch's legacy magic number
+        _ListOnlyUnpickler(stream).load()  # protocol version
+        _ListOnlyUnpickler(stream).load()  # sys info
+        return _ListOnlyUnpickler(stream).load()
+    return first
+
+
+def read_frspec(path: str, vocab_size: int, subset_size: int | None = None) -> np.ndarray:
+    """Token ids of an FR-Spec subset, most frequent first, deduplicated: ``int32[V']``.
+
+    path: a file — CPM.cu's ``freq_{V}.pt`` (a ``torch.save``'d list of ids, read without torch), a
+    ``.npy`` array or a text file of one id per line — or a directory holding ``freq_{subset_size}.pt``
+    (or ``.npy``). Ids outside ``[0, vocab_size)`` or an empty list raise MiniCPMError.
+    """
+    if os.path.isdir(path):
+        if subset_size is None:
+            raise MiniCPMError(f"{path!r} is a directory: give the FR-Spec vocabulary size to pick freq_<size>.pt")
+        for ext in (".pt", ".npy"):
+            candidate = os.path.join(path, f"freq_{subset_size}{ext}")
+            if os.path.isfile(candidate):
+                path = candidate
+                break
+        else:
+            raise MiniCPMError(f"no freq_{subset_size}.pt or freq_{subset_size}.npy in {path!r}")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise MiniCPMError(f"cannot read the FR-Spec index {path!r}: {e}") from None
+    try:
+        if path.endswith(".npy"):
+            ids = np.load(io.BytesIO(data), allow_pickle=False)
+        elif path.endswith(".pt"):
+            ids = _unpickle_torch_save(data)
+        else:
+            ids = [int(line) for line in data.decode("utf-8").split()]
+        ids = np.asarray(ids).reshape(-1)
+    except (pickle.UnpicklingError, EOFError, ValueError, UnicodeDecodeError, zipfile.BadZipFile, TypeError) as e:
+        raise MiniCPMError(f"{path!r} is not an FR-Spec index (a list of token ids): {e}") from None
+    if ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise MiniCPMError(f"{path!r} holds no integer token ids")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise MiniCPMError(f"{path!r} has token ids outside the vocabulary [0, {vocab_size})")
+    _, first = np.unique(ids, return_index=True)
+    ids = ids[np.sort(first)]  # deduplicated, order kept
+    if subset_size is not None:
+        ids = ids[:subset_size]
+    return ids.astype(np.int32)
