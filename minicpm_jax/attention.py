@@ -87,8 +87,10 @@ class Attention(nnx.Module):
 
     def __init__(
         self, config: ModelConfig, layer: int, *, max_length: int, attention_impl: str, rngs: nnx.Rngs, dtype,
-        quant: QuantSpec | None = None, sparse: SparseConfig | None = None,
+        quant: QuantSpec | None = None, sparse: SparseConfig | None = None, in_features: int | None = None,
     ):
+        """in_features: width of the input to ``qkv_proj`` (default hidden_size; an EAGLE-3 draft layer
+        reads ``[embedding; hidden]``, twice that)."""
         self.config = config
         self.layer = layer
         self.max_length = max_length
@@ -96,7 +98,7 @@ class Attention(nnx.Module):
         self.sparse = sparse
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         linear = dict(impl=attention_impl, rngs=rngs, dtype=dtype)
-        self.qkv_proj = make_linear(config.hidden_size, qkv_out, quant, **linear)
+        self.qkv_proj = make_linear(in_features or config.hidden_size, qkv_out, quant, **linear)
         self.o_proj = make_linear(config.num_heads * config.head_dim, config.hidden_size, quant, **linear)
 
     def __call__(

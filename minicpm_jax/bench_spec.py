@@ -119,7 +119,7 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
             a = spec.max_accept
             st0 = SpecState(dcache=dataclasses.replace(draft.new_cache(1, max_length + spec.draft_slots + a),
                                                        lengths=jnp.asarray([context], jnp.int32)),
-                            pend_tok=jnp.zeros((1, a), jnp.int32), pend_feat=jnp.zeros((1, a, config.hidden_size), dtype),
+                            pend_tok=jnp.zeros((1, a), jnp.int32), pend_feat=jnp.zeros((1, a, draft.spec.feature_size), dtype),
                             pend_n=jnp.asarray([k], jnp.int32), accepted=jnp.zeros((1, a + 1), jnp.int32))
 
             def draft_part(state, dstate, pend_tok, st0=st0):

@@ -14,6 +14,13 @@ goes through the *target's* lm_head (no final norm):
 ``f`` is the target's final-normed hidden state at the previous position (and, inside a draft tree, the
 draft's own output for its parent). The draft shares the target's embedding, RoPE and lm_head.
 
+* ``eagle3`` — EAGLE-3 (SafeAILab format): the target feature is the residual stream entering target
+  layers ``(2, L//2, L-3)``, concatenated (3H); ``g = fc(features)`` (no bias; the draft's own outputs
+  inside a tree skip fc); ``midlayer`` attends over ``[input_layernorm(E[tok]); hidden_norm(g)]`` (q/k/v
+  take 2H), residual ``g``, then post-attention norm and MLP; logits ``lm_head(norm(h))`` over a draft
+  vocabulary of V_d ids, draft id d meaning target id ``d + d2t[d]``. Tensors: ``fc.weight [H, 3H]``,
+  ``midlayer.*``, ``norm.weight``, ``lm_head.weight [V_d, H]``, ``d2t``, ``t2d``. Residuals unscaled.
+
 FR-Spec (:func:`read_frspec`): the draft's top-k runs over a frequency-ranked vocabulary subset; the
 draft head is those rows of the target lm_head.
 """
@@ -38,31 +45,45 @@ from minicpm_jax.config import ModelConfig, read_config_json
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.layers import MLP, Linear, RMSNorm
 
-DRAFT_KINDS = ("minicpm", "llama")
+DRAFT_KINDS = ("minicpm", "llama", "eagle3")
 
 
 @dataclasses.dataclass(frozen=True)
 class DraftSpec:
     """Shape of an EAGLE draft.
 
-    kind: ``minicpm`` or ``llama`` (see the module doc). layer: the decoder layer's hyper-parameters
-    (``num_layers`` 1; hidden size, vocabulary and RoPE of the target). residual_scale: multiplier of
-    both residual branches.
+    kind: ``minicpm``, ``llama`` or ``eagle3`` (see the module doc). layer: the decoder layer's
+    hyper-parameters (``num_layers`` 1; hidden size, vocabulary and RoPE of the target). residual_scale:
+    multiplier of both residual branches. capture: target layers whose input residual stream is the
+    feature (EAGLE-3), empty = the target's final-normed hidden state. draft_vocab: V_d (EAGLE-3).
     """
 
     kind: str
     layer: ModelConfig
     residual_scale: float
+    capture: tuple[int, ...] = ()
+    draft_vocab: int = 0
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target feature the draft reads."""
+        return self.layer.hidden_size * max(1, len(self.capture))
 
     @classmethod
-    def for_target(cls, target: ModelConfig, kind: str | None = None, **layer_overrides) -> "DraftSpec":
-        """A draft shaped like one target layer (``kind`` default: ``minicpm`` for MiniCPM targets)."""
+    def for_target(cls, target: ModelConfig, kind: str | None = None, draft_vocab: int | None = None,
+                   **layer_overrides) -> "DraftSpec":
+        """A draft shaped like one target layer (``kind`` default: ``minicpm`` for MiniCPM targets;
+        ``draft_vocab`` for EAGLE-3, default the target vocabulary)."""
         kind = kind or ("minicpm" if target.model_type.startswith("minicpm") else "llama")
         if kind not in DRAFT_KINDS:
             raise MiniCPMError(f"draft kind must be one of {', '.join(DRAFT_KINDS)}, got {kind!r}")
         layer = dataclasses.replace(target, num_layers=1, sparse=None, quantization_json=None, **layer_overrides)
         scale = target.scale_depth / math.sqrt(target.num_layers + 1) if kind == "minicpm" else 1.0
-        return cls(kind, layer, scale)
+        if kind != "eagle3":
+            return cls(kind, layer, scale)
+        n = target.num_layers
+        capture = (min(2, n - 1), n // 2, max(n - 3, 0))
+        return cls(kind, layer, 1.0, capture, draft_vocab or target.vocab_size)
 
 
 class EagleDraft(nnx.Module):
@@ -81,36 +102,65 @@ class EagleDraft(nnx.Module):
         h = cfg.hidden_size
         self.spec = spec
         self.dtype = jnp.dtype(dtype)
-        self.fc = Linear(2 * h, h, rngs=rngs, dtype=dtype)
-        self.fc_bias = nnx.Param(jnp.zeros((h,), dtype))
+        eps = cfg.rms_norm_eps
+        eagle3 = spec.kind == "eagle3"
+        self.fc = Linear(spec.feature_size + (0 if eagle3 else h), h, rngs=rngs, dtype=dtype)
+        if eagle3:
+            self.input_layernorm = RMSNorm(h, eps, dtype=dtype)
+            self.hidden_norm = RMSNorm(h, eps, dtype=dtype)
+            self.norm = RMSNorm(h, eps, dtype=dtype)
+            self.lm_head = Linear(h, spec.draft_vocab, rngs=rngs, dtype=dtype)
+            self.d2t = nnx.Variable(jnp.zeros((spec.draft_vocab,), jnp.int32))
+        else:
+            self.fc_bias = nnx.Param(jnp.zeros((h,), dtype))
         if spec.kind == "minicpm":
-            self.input_norm1 = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
-            self.input_norm2 = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
-            self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(cfg, 0, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+            self.input_norm1 = RMSNorm(h, eps, dtype=dtype)
+            self.input_norm2 = RMSNorm(h, eps, dtype=dtype)
+            self.input_layernorm = RMSNorm(h, eps, dtype=dtype)
+        self.self_attn = Attention(cfg, 0, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype,
+                                   in_features=2 * h if eagle3 else h)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype=dtype)
         self.mlp = MLP(h, cfg.intermediate_size, rngs=rngs, dtype=dtype, quant=None, impl=attention_impl)
+
+    @property
+    def own_head(self) -> bool:
+        """Whether the draft has its own (reduced-vocabulary) head (EAGLE-3) instead of the target's."""
+        return self.spec.kind == "eagle3"
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """EAGLE-3 draft logits ``f32[..., V_d]`` (draft ids; :meth:`target_ids` maps them)."""
+        h = self.norm(hidden)
+        return jnp.dot(h, self.lm_head.kernel[...].astype(h.dtype), preferred_element_type=jnp.float32)
+
+    def target_ids(self) -> jax.Array:
+        """``int32[V_d]``: the target token of each EAGLE-3 draft id (``d + d2t[d]``)."""
+        return jnp.arange(self.spec.draft_vocab, dtype=jnp.int32) + self.d2t[...]
 
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
         """An empty one-layer cache for ``max_length`` draft positions."""
         return KVCache.create(self.spec.layer, batch_size, max_length, self.dtype)
 
     def __call__(self, embedded: jax.Array, features: jax.Array, positions: jax.Array, valid: jax.Array,
-                 cache: KVCache, tree: TreeInputs | None = None) -> tuple[jax.Array, KVCache]:
+                 cache: KVCache, tree: TreeInputs | None = None, from_target: bool = True) -> tuple[jax.Array, KVCache]:
         """One draft step over T tokens.
 
-        embedded ``[B, T, H]``: the target's scaled token embeddings; features ``[B, T, H]``: the
-        feature each token is paired with; positions ``int32[B, T]`` (RoPE); valid ``bool[B, T]``.
+        embedded ``[B, T, H]``: the target's scaled token embeddings; features: the feature each token
+        is paired with — the target's (``[B, T, feature_size]``, ``from_target``) or the draft's own
+        output (``[B, T, H]``; EAGLE-3 then skips fc); positions ``int32[B, T]`` (RoPE); valid ``bool[B, T]``.
         Without ``tree`` the tokens are appended causally at the cache length (prefill; the length
         advances by the valid count); with it they are tree tokens (:class:`TreeInputs`; length unchanged).
         Returns the draft hidden states ``[B, T, H]`` (before the lm_head, no final norm) and the cache.
         """
         dt = self.dtype
         e, f = embedded.astype(dt), features.astype(dt)
-        if self.spec.kind == "minicpm":
-            e, f = self.input_norm1(e), self.input_norm2(f)
-        x = self.fc(jnp.concatenate([e, f], axis=-1)) + self.fc_bias[...].astype(dt)
-        a = self.input_layernorm(x) if self.spec.kind == "minicpm" else x
+        if self.spec.kind == "eagle3":
+            x = self.fc(f) if from_target else f
+            a = jnp.concatenate([self.input_layernorm(e), self.hidden_norm(x)], axis=-1)
+        else:
+            if self.spec.kind == "minicpm":
+                e, f = self.input_norm1(e), self.input_norm2(f)
+            x = self.fc(jnp.concatenate([e, f], axis=-1)) + self.fc_bias[...].astype(dt)
+            a = self.input_layernorm(x) if self.spec.kind == "minicpm" else x
         kv_lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)
         attn, cache = self.self_attn(a, positions, valid, cache, kv_lengths, "dense", tree)
         s = jnp.asarray(self.spec.residual_scale, dt)
@@ -153,22 +203,69 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
 
 
 def draft_kind_of(names: set[str]) -> str:
-    """``minicpm`` or ``llama`` from a draft checkpoint's tensor names; a clear error for other formats."""
-    if any(n.startswith("midlayer.") for n in names) or "d2t" in names:
-        raise MiniCPMError("EAGLE-3 drafts (midlayer.*, d2t) are not supported yet; use an EAGLE-1/2 draft")
+    """``minicpm``, ``llama`` or ``eagle3`` from a draft checkpoint's tensor names; a clear error for
+    other formats."""
     if any(".eagle_layers." in n for n in names):
-        raise MiniCPMError("vLLM-format EAGLE drafts (model.eagle_layers.*) are not supported yet; use CPM.cu's format")
+        raise MiniCPMError("vLLM-format EAGLE drafts (model.eagle_layers.*) are not supported yet; use CPM.cu's or "
+                           "SafeAILab's format")
     if "fc.weight" not in names:
         raise MiniCPMError("not an EAGLE draft checkpoint: it has no fc.weight tensor")
+    if any(n.startswith("midlayer.") for n in names) or "d2t" in names:
+        return "eagle3"
     return "minicpm" if "input_norm1.weight" in names else "llama"
 
 
+def _layer_prefix(kind: str) -> str:
+    return "midlayer." if kind == "eagle3" else "layers.0."
+
+
+def _checkpoint_layout(spec: DraftSpec, names: set[str]) -> list[tuple[tuple, tuple[str, ...], tuple[tuple[int, ...], ...]]]:
+    """``(param path, checkpoint tensor names, their shapes)`` for every draft parameter; split or fused
+    q/k/v and gate/up as the checkpoint has them. Linear tensors are ``[out, in]``."""
+    cfg, kind = spec.layer, spec.kind
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
+    pre = _layer_prefix(kind)
+    attn_in = 2 * h if kind == "eagle3" else h
+    if pre + "self_attn.qkv_proj.weight" in names:
+        qkv = ((pre + "self_attn.qkv_proj.weight",), ((nq + 2 * nkv, attn_in),))
+    else:
+        qkv = (tuple(pre + f"self_attn.{p}_proj.weight" for p in "qkv"), ((nq, attn_in), (nkv, attn_in), (nkv, attn_in)))
+    if pre + "mlp.gate_up_proj.weight" in names:
+        gate_up = ((pre + "mlp.gate_up_proj.weight",), ((2 * i, h),))
+    else:
+        gate_up = ((pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"), ((i, h), (i, h)))
+    out = [
+        (("fc", "kernel"), ("fc.weight",), ((h, spec.feature_size + (0 if kind == "eagle3" else h)),)),
+        (("self_attn", "qkv_proj", "kernel"), *qkv),
+        (("self_attn", "o_proj", "kernel"), (pre + "self_attn.o_proj.weight",), ((h, nq),)),
+        (("mlp", "gate_up_proj", "kernel"), *gate_up),
+        (("mlp", "down_proj", "kernel"), (pre + "mlp.down_proj.weight",), ((h, i),)),
+        (("post_attention_layernorm", "weight"), (pre + "post_attention_layernorm.weight",), ((h,),)),
+    ]
+    if kind == "eagle3":
+        out += [
+            (("input_layernorm", "weight"), (pre + "input_layernorm.weight",), ((h,),)),
+            (("hidden_norm", "weight"), (pre + "hidden_norm.weight",), ((h,),)),
+            (("norm", "weight"), ("norm.weight",), ((h,),)),
+            (("lm_head", "kernel"), ("lm_head.weight",), ((spec.draft_vocab, h),)),
+            (("d2t",), ("d2t",), ((spec.draft_vocab,),)),
+        ]
+    else:
+        out.append((("fc_bias",), ("fc.bias",), ((h,),)))
+    if kind == "minicpm":
+        out += [(("input_norm1", "weight"), ("input_norm1.weight",), ((h,),)),
+                (("input_norm2", "weight"), ("input_norm2.weight",), ((h,),)),
+                (("input_layernorm", "weight"), (pre + "input_layernorm.weight",), ((h,),))]
+    return out
+
+
 def load_draft(path: str, target: ModelConfig, *, max_length: int, attention_impl: str, dtype) -> EagleDraft:
-    """Loads an EAGLE-1/2 draft directory (tensors plus an optional ``config.json``) for ``target``.
+    """Loads an EAGLE draft directory (tensors plus an optional ``config.json``) for ``target``.
 
     The draft layer's head counts and MLP width come from its ``config.json`` (default: the target's);
-    its hidden size and vocabulary must match the target's. Missing, unexpected or misshapen tensors
-    raise one MiniCPMError listing them.
+    its hidden size (and, for EAGLE-1/2, vocabulary) must match the target's. Missing, unexpected or
+    misshapen tensors raise one MiniCPMError listing them.
     """
     if not os.path.isdir(path):
         raise MiniCPMError(f"draft checkpoint directory {path!r} does not exist")
@@ -176,114 +273,90 @@ def load_draft(path: str, target: ModelConfig, *, max_length: int, attention_imp
     names = set(tensors)
     kind = draft_kind_of(names)
     overrides = {}
-    if os.path.isfile(os.path.join(path, "config.json")):
-        raw = read_config_json(path)
-        for key in ("hidden_size", "vocab_size"):
-            if key in raw and raw[key] != getattr(target, key):
-                raise MiniCPMError(f"draft config {key} = {raw[key]} does not match the target's {getattr(target, key)}")
-        for key, field in (("num_attention_heads", "num_heads"), ("num_key_value_heads", "num_kv_heads"),
-                           ("intermediate_size", "intermediate_size"), ("head_dim", "head_dim")):
-            if isinstance(raw.get(key), int):
-                overrides[field] = raw[key]
-        if "num_attention_heads" in raw and "head_dim" not in raw:
-            overrides["head_dim"] = target.hidden_size // raw["num_attention_heads"]
-        if "num_attention_heads" in raw and "num_key_value_heads" not in raw:
-            overrides["num_kv_heads"] = raw["num_attention_heads"]
-    spec = DraftSpec.for_target(target, kind, **overrides)
-    cfg = spec.layer
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
-    pre = "layers.0."
-    want = {"fc.weight": (h, 2 * h), pre + "self_attn.o_proj.weight": (h, nq), pre + "mlp.down_proj.weight": (h, i),
-            pre + "post_attention_layernorm.weight": (h,)}
-    if pre + "self_attn.qkv_proj.weight" in names:
-        want[pre + "self_attn.qkv_proj.weight"] = (nq + 2 * nkv, h)
-    else:
-        want.update({pre + "self_attn.q_proj.weight": (nq, h), pre + "self_attn.k_proj.weight": (nkv, h),
-                     pre + "self_attn.v_proj.weight": (nkv, h)})
-    if pre + "mlp.gate_up_proj.weight" in names:
-        want[pre + "mlp.gate_up_proj.weight"] = (2 * i, h)
-    else:
-        want.update({pre + "mlp.gate_proj.weight": (i, h), pre + "mlp.up_proj.weight": (i, h)})
-    if kind == "minicpm":
-        want.update({"input_norm1.weight": (h,), "input_norm2.weight": (h,), pre + "input_layernorm.weight": (h,)})
-    optional = {"fc.bias": (h,), "embed_tokens.weight": (cfg.vocab_size, h)}  # the embedding is the target's
-    problems = [f"missing tensor {n} (expected shape {list(s)})" for n, s in want.items() if n not in names]
-    problems += [f"tensor {n} has shape {list(tensors[n].shape)}, expected {list(s)}"
-                 for n, s in {**want, **optional}.items() if n in names and tuple(tensors[n].shape) != s]
-    problems += [f"unexpected tensor {n}" for n in sorted(names - set(want) - set(optional))
+    raw = read_config_json(path) if os.path.isfile(os.path.join(path, "config.json")) else {}
+    keys = ("hidden_size",) if kind == "eagle3" else ("hidden_size", "vocab_size")
+    for key in keys:
+        if key in raw and raw[key] != getattr(target, key):
+            raise MiniCPMError(f"draft config {key} = {raw[key]} does not match the target's {getattr(target, key)}")
+    for key, field in (("num_attention_heads", "num_heads"), ("num_key_value_heads", "num_kv_heads"),
+                       ("intermediate_size", "intermediate_size"), ("head_dim", "head_dim")):
+        if isinstance(raw.get(key), int):
+            overrides[field] = raw[key]
+    if "num_attention_heads" in raw and "head_dim" not in raw:
+        overrides["head_dim"] = target.hidden_size // raw["num_attention_heads"]
+    if "num_attention_heads" in raw and "num_key_value_heads" not in raw:
+        overrides["num_kv_heads"] = raw["num_attention_heads"]
+    draft_vocab = None
+    if kind == "eagle3":
+        draft_vocab = raw.get("draft_vocab_size") or (tensors["lm_head.weight"].shape[0] if "lm_head.weight" in names
+                                                      else target.vocab_size)
+    spec = DraftSpec.for_target(target, kind, draft_vocab=draft_vocab, **overrides)
+    layout = _checkpoint_layout(spec, names)
+    want = {n: shape for _, ns, shapes in layout for n, shape in zip(ns, shapes)}
+    optional = {"fc.bias", "embed_tokens.weight", "t2d"}  # the embedding is the target's; t2d is implied by d2t
+    problems = [f"missing tensor {n} (expected shape {list(sh)})" for n, sh in want.items()
+                if n not in names and not (n == "fc.bias" and kind != "eagle3")]
+    problems += [f"tensor {n} has shape {list(tensors[n].shape)}, expected {list(sh)}"
+                 for n, sh in want.items() if n in names and tuple(tensors[n].shape) != sh]
+    problems += [f"unexpected tensor {n}" for n in sorted(names - set(want) - optional)
                  if not n.endswith("rotary_emb.inv_freq")]
+    if kind == "eagle3" and "d2t" in names and not problems:
+        mapped = np.arange(spec.draft_vocab) + tensors["d2t"].astype(np.int64)
+        if mapped.min() < 0 or mapped.max() >= target.vocab_size:
+            problems.append(f"d2t maps draft ids outside the target vocabulary [0, {target.vocab_size})")
     if problems:
         raise MiniCPMError(f"draft checkpoint {path!r} does not match its target:\n  " + "\n  ".join(problems))
 
-    def t(name):  # checkpoint [out, in] -> engine [in, out]
-        return jnp.asarray(tensors[name].T, dtype)
-
-    def cat(*names):
-        return jnp.concatenate([t(n) for n in names], axis=1)
+    def value(param, ns):
+        if param == ("d2t",):
+            return jnp.asarray(tensors["d2t"], jnp.int32)
+        if param == ("fc_bias",):
+            return jnp.asarray(tensors["fc.bias"], dtype) if "fc.bias" in names else jnp.zeros((spec.layer.hidden_size,), dtype)
+        parts = [np.asarray(tensors[n], np.float32) for n in ns]
+        if param[-1] == "kernel":  # checkpoint [out, in] -> engine [in, out], fused along out
+            return jnp.asarray(np.concatenate([p.T for p in parts], axis=1), dtype)
+        return jnp.asarray(parts[0], dtype)
 
     draft = nnx.eval_shape(lambda: EagleDraft(spec, max_length=max_length, attention_impl=attention_impl, dtype=dtype))
-    qkv = ([pre + "self_attn.qkv_proj.weight"] if pre + "self_attn.qkv_proj.weight" in names
-           else [pre + f"self_attn.{p}_proj.weight" for p in "qkv"])
-    gate_up = ([pre + "mlp.gate_up_proj.weight"] if pre + "mlp.gate_up_proj.weight" in names
-               else [pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"])
-    values = {
-        ("fc", "kernel"): t("fc.weight"),
-        ("fc_bias",): jnp.asarray(tensors["fc.bias"], dtype) if "fc.bias" in names else jnp.zeros((h,), dtype),
-        ("self_attn", "qkv_proj", "kernel"): cat(*qkv),
-        ("self_attn", "o_proj", "kernel"): t(pre + "self_attn.o_proj.weight"),
-        ("mlp", "gate_up_proj", "kernel"): cat(*gate_up),
-        ("mlp", "down_proj", "kernel"): t(pre + "mlp.down_proj.weight"),
-        ("post_attention_layernorm", "weight"): jnp.asarray(tensors[pre + "post_attention_layernorm.weight"], dtype),
-    }
-    if kind == "minicpm":
-        for name in ("input_norm1", "input_norm2"):
-            values[(name, "weight")] = jnp.asarray(tensors[f"{name}.weight"], dtype)
-        values[("input_layernorm", "weight")] = jnp.asarray(tensors[pre + "input_layernorm.weight"], dtype)
+    values = {param: value(param, ns) for param, ns, _ in layout}
     graphdef, state = nnx.split(draft)
     flat = dict(nnx.to_flat_state(state))
     for key, var in flat.items():
-        value = values[key]
-        var.set_value(value) if hasattr(var, "set_value") else setattr(var, "value", value)
+        var.set_value(values[key]) if hasattr(var, "set_value") else setattr(var, "value", values[key])
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def save_draft(draft: EagleDraft, path: str) -> None:
     """Writes ``draft`` in CPM.cu / SafeAILab tensor names (``model.safetensors`` + ``config.json``,
-    atomically), the format :func:`load_draft` reads."""
+    written to a temporary directory and renamed), the format :func:`load_draft` reads."""
+    import json
+
     from safetensors.numpy import save_file
 
-    cfg = draft.spec.layer
-    nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-
-    def w(x):  # engine [in, out] -> checkpoint [out, in], fp32
-        return np.asarray(jnp.asarray(x[...], jnp.float32)).T.copy()
-
-    qkv = w(draft.self_attn.qkv_proj.kernel)
-    gate, up = np.split(w(draft.mlp.gate_up_proj.kernel), 2, axis=0)
-    pre = "layers.0."
-    tensors = {
-        "fc.weight": w(draft.fc.kernel), "fc.bias": np.asarray(draft.fc_bias[...], np.float32),
-        pre + "self_attn.q_proj.weight": qkv[:nq], pre + "self_attn.k_proj.weight": qkv[nq : nq + nkv],
-        pre + "self_attn.v_proj.weight": qkv[nq + nkv :], pre + "self_attn.o_proj.weight": w(draft.self_attn.o_proj.kernel),
-        pre + "mlp.gate_proj.weight": gate, pre + "mlp.up_proj.weight": up, pre + "mlp.down_proj.weight": w(draft.mlp.down_proj.kernel),
-        pre + "post_attention_layernorm.weight": np.asarray(draft.post_attention_layernorm.weight[...], np.float32),
-    }
-    if draft.spec.kind == "minicpm":
-        for name in ("input_norm1", "input_norm2", "input_layernorm"):
-            key = pre + name + ".weight" if name == "input_layernorm" else name + ".weight"
-            tensors[key] = np.asarray(getattr(draft, name).weight[...], np.float32)
+    if os.path.exists(path):
+        raise MiniCPMError(f"{path!r} already exists")
+    spec = draft.spec
+    cfg = spec.layer
+    flat = {k: np.asarray(v[...]).astype(np.int64 if k == ("d2t",) else np.float32)
+            for k, v in nnx.to_flat_state(nnx.state(draft))}
+    tensors = {}
+    for param, ns, shapes in _checkpoint_layout(spec, {_layer_prefix(spec.kind) + "self_attn.q_proj.weight"}):
+        value = flat[param]
+        if param[-1] == "kernel":
+            rows = np.split(value.T, np.cumsum([sh[0] for sh in shapes])[:-1], axis=0)
+            tensors.update({n: np.ascontiguousarray(r) for n, r in zip(ns, rows)})
+        else:
+            tensors[ns[0]] = value
     config = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_attention_heads": cfg.num_heads,
               "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
               "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1}
+    if spec.kind == "eagle3":
+        config["draft_vocab_size"] = spec.draft_vocab
     tmp = path.rstrip("/") + ".tmp"
     os.makedirs(tmp, exist_ok=True)
     save_file(tensors, os.path.join(tmp, "model.safetensors"))
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
-        import json
         json.dump(config, f, indent=1)
-    if os.path.exists(path):
-        raise MiniCPMError(f"{path!r} already exists")
     os.replace(tmp, path)
 
 

@@ -22,7 +22,7 @@ from flax import nnx
 from minicpm_jax.cache import KVCache
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model import MiniCPMForCausalLM
-from minicpm_jax.sampling import SamplingParams, row_key, sample
+from minicpm_jax.sampling import SamplingParams, row_key, sample, sampling_kind
 from minicpm_jax.sparse import attention_mode
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
@@ -130,13 +130,14 @@ def _prefill_chunk(graphdef, state, cache: KVCache, tokens, num_valid, last_logi
     return cache, jnp.where((num_valid > 0)[:, None], logits, last_logits)
 
 
-def _first_token(ds: DecodeState, logits, active, cache_lengths, *, max_length: int):
+def _first_token(ds: DecodeState, logits, active, cache_lengths, *, max_length: int, sampling: str = "auto"):
     """Samples each active row's first token from its prefill logits."""
-    tok = sample(logits, ds.keys, ds.n_gen, ds.temperature, ds.top_k, ds.top_p)
+    tok = sample(logits, ds.keys, ds.n_gen, ds.temperature, ds.top_k, ds.top_p, sampling)
     return _check_stops(ds, tok, active, cache_lengths, max_length)
 
 
-def _decode_block(graphdef, state, cache: KVCache, ds: DecodeState, *, num_steps: int, mode: str = "dense"):
+def _decode_block(graphdef, state, cache: KVCache, ds: DecodeState, *, num_steps: int, mode: str = "dense",
+                  sampling: str = "auto"):
     """Up to ``num_steps`` decode steps on device; returns (cache, state, tokens ``int32[B, num_steps]``, -1 = none)."""
     model = nnx.merge(graphdef, state)
     out = jnp.full((ds.tok.shape[0], num_steps), -1, jnp.int32)
@@ -150,7 +151,7 @@ def _decode_block(graphdef, state, cache: KVCache, ds: DecodeState, *, num_steps
         active = ~ds.done
         hidden, cache = model.forward(ds.tok[:, None], cache, active.astype(jnp.int32), mode)
         logits = model.logits(hidden[:, 0])
-        new_tok = sample(logits, ds.keys, ds.n_gen, ds.temperature, ds.top_k, ds.top_p)
+        new_tok = sample(logits, ds.keys, ds.n_gen, ds.temperature, ds.top_k, ds.top_p, sampling)
         out = out.at[:, i].set(jnp.where(active, new_tok, -1))
         ds = _check_stops(ds, new_tok, active, cache.lengths, cache.max_length)
         return i + 1, cache, ds, out
@@ -188,11 +189,12 @@ class Engine:
         self._jitted = {
             "prefill": jax.jit(functools.partial(_prefill_chunk, self.graphdef), donate_argnums=1,
                                static_argnames="mode"),
-            "first": jax.jit(functools.partial(_first_token, max_length=self.max_length)),
+            "first": jax.jit(functools.partial(_first_token, max_length=self.max_length), static_argnames="sampling"),
             "decode": jax.jit(functools.partial(_decode_block, self.graphdef, num_steps=decode_block), donate_argnums=1,
-                              static_argnames="mode"),
+                              static_argnames=("mode", "sampling")),
         }
         self._executables: dict = {}
+        self.sampling = "auto"  # static sampling path of the current generate call (see sampling_kind)
         self.compile_time = 0.0  # seconds spent compiling, over the engine's life
 
     # ---------------------------------------------------------------- helpers
@@ -247,15 +249,16 @@ class Engine:
             return "dense"
         return attention_mode(self.model.sparse.dense_len, lo, hi)
 
-    def _decode(self, state, cache, ds, mode: str | None = None):
-        """One decode block. Without ``mode``, it is chosen from the lengths on device (one sync)."""
+    def _decode(self, state, cache, ds, mode: str | None = None, sampling: str = "auto"):
+        """One decode block. Without ``mode``, it is chosen from the lengths on device (one sync).
+        ``sampling``: the static sampling path (:func:`~minicpm_jax.sampling.sampling_kind`)."""
         if mode is None:
             mode = "dense"
             if self.model.sparse_active:
                 lengths, done = jax.device_get((cache.lengths, ds.done))
                 live = [int(n) for n, d in zip(lengths, done) if not d] or [0]
                 mode = self.attention_mode(min(live) + 1, max(live) + self.decode_block)
-        return self._executable("decode", None, state, cache, ds, mode=mode)(state, cache, ds)
+        return self._executable("decode", None, state, cache, ds, mode=mode, sampling=sampling)(state, cache, ds)
 
     def compiled_decode_hlo(self, mode: str = "dense") -> str:
         """Optimized HLO of the decode block (for performance work)."""
@@ -324,7 +327,8 @@ class Engine:
         logits = self._run_prefill(rows_new, on_prefill)
         ds = self._initial_state(samplings, budgets, stops)
         first_args = (ds, logits, ~ds.done, self.cache.lengths)
-        ds = self._executable("first", None, *first_args)(*first_args)
+        self.sampling = sampling_kind(samplings)
+        ds = self._executable("first", None, *first_args, sampling=self.sampling)(*first_args)
         first, done = jax.device_get((ds.tok, ds.done))
         compile1 = self.compile_time
         stats.prefill_time = time.perf_counter() - t0 - (compile1 - compile0)
@@ -398,7 +402,7 @@ class Engine:
                 lo = min(start[i] + len(outputs[i]) for i in live)  # kv length at the block's first step, at least
                 hi = max(start[i] for i in live) + dispatched + self.decode_block
                 mode = self.attention_mode(lo, hi)
-            self.cache, ds, block = self._decode(self.state, self.cache, ds, mode)
+            self.cache, ds, block = self._decode(self.state, self.cache, ds, mode, self.sampling)
             dispatched += self.decode_block
             if pending is not None:
                 ds = self._consume(pending, outputs, host_done, on_tokens, ds)

@@ -112,6 +112,13 @@ class MiniCPMForCausalLM(nnx.Module):
         self, tokens: jax.Array, cache: KVCache, num_valid: jax.Array | None = None, mode: str = "auto",
         tree: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, KVCache]:
+        hidden, _, cache = self.forward_features(tokens, cache, num_valid, mode, tree)
+        return hidden, cache
+
+    def forward_features(
+        self, tokens: jax.Array, cache: KVCache, num_valid: jax.Array | None = None, mode: str = "auto",
+        tree: tuple[jax.Array, jax.Array] | None = None, capture: tuple[int, ...] = (),
+    ) -> tuple[jax.Array, list[jax.Array], KVCache]:
         """Runs ``tokens int32[B, T]`` appended after each sequence's cached tokens.
 
         num_valid: ``int32[B]``, how many leading tokens of each row are real (default: all T). Padded
@@ -125,7 +132,9 @@ class MiniCPMForCausalLM(nnx.Module):
         the cached tokens and to the tree tokens ``j`` with ``tree_mask[:, i, j]`` (its ancestors and
         itself); the cache length advances by T and is set to the committed length afterwards
         (:func:`~minicpm_jax.speculative.compact_cache`). Dense attention only.
-        Returns the final-normed hidden states ``[B, T, hidden]`` (model dtype) and the updated cache.
+        Returns the final-normed hidden states ``[B, T, hidden]`` (model dtype) and the updated cache
+        (``forward``); ``forward_features`` also returns the residual stream entering each layer of
+        ``capture`` (static; EAGLE-3 features), ``[B, T, hidden]`` each: (hidden, features, cache).
         """
         b, t = tokens.shape
         if num_valid is None:
@@ -145,25 +154,29 @@ class MiniCPMForCausalLM(nnx.Module):
 
         def run_layers(mode):
             def run(x, cache):
-                for layer in self.model.layers:
+                seen = {}
+                for i, layer in enumerate(self.model.layers):
+                    if i in capture:
+                        seen[i] = x
                     x, cache = layer(x, positions, valid, cache, kv_lengths, mode, tree)
-                return x, cache
+                return x, cache, [seen[i] for i in capture]
             return run
 
         if not self.sparse_active or tree is not None:
-            x, cache = run_layers("dense")(x, cache)
+            x, cache, captured = run_layers("dense")(x, cache)
         elif mode != "auto":
             if mode not in ("dense", "sparse", "mixed"):
                 raise ValueError(f"mode must be auto, dense, sparse or mixed, got {mode!r}")
-            x, cache = run_layers(mode)(x, cache)
+            x, cache, captured = run_layers(mode)(x, cache)
         else:
             # One switch for the whole forward: a conditional costs the GPU a host round trip, too much
             # per layer.
             use = kv_lengths >= self.sparse.dense_len
             branch = jnp.where(jnp.all(use), 2, jnp.where(jnp.any(use), 1, 0))
-            x, cache = lax.switch(branch, [run_layers("dense"), run_layers("mixed"), run_layers("sparse")], x, cache)
+            x, cache, captured = lax.switch(branch, [run_layers("dense"), run_layers("mixed"), run_layers("sparse")],
+                                            x, cache)
         cache = dataclasses.replace(cache, lengths=kv_lengths)
-        return self.model.norm(x), cache
+        return self.model.norm(x), captured, cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """``hidden [..., hidden_size]`` (final-normed) → fp32 logits ``[..., vocab]``."""

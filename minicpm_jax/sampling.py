@@ -35,6 +35,20 @@ class SamplingParams:
             raise MiniCPMError(f"seed must be in [0, 2**32), got {self.seed}")
 
 
+SAMPLING_KINDS = ("auto", "greedy", "temperature", "filtered")
+
+
+def sampling_kind(params) -> str:
+    """The static sampling path a batch of :class:`SamplingParams` needs: ``greedy`` (all rows greedy:
+    argmax only), ``temperature`` (no top-k / top-p filter on any sampled row), else ``filtered``. Engines
+    compile one step per kind, so the step holds no conditional (on a GPU a conditional waits for the
+    device and re-launches the rest of the step from the host)."""
+    stochastic = [p for p in params if p.temperature > 0]
+    if not stochastic:
+        return "greedy"
+    return "filtered" if any(p.top_k > 0 or p.top_p < 1.0 for p in stochastic) else "temperature"
+
+
 def row_key(seed: int) -> jax.Array:
     """The raw ``uint32[2]`` key of a row with this seed."""
     return jax.random.PRNGKey(seed)
@@ -65,17 +79,27 @@ def sample(
     temperature: jax.Array,
     top_k: jax.Array,
     top_p: jax.Array,
+    kind: str = "auto",
 ) -> jax.Array:
     """Draws one token per row.
 
     logits ``f32[B, V]``; keys ``uint32[B, 2]``; steps ``int32[B]`` (index of the token being drawn);
     temperature ``f32[B]``; top_k ``int32[B]``; top_p ``f32[B]``. Returns ``int32[B]``.
+    kind (static, :func:`sampling_kind`): ``greedy`` / ``temperature`` / ``filtered`` compile only that
+    path (valid when the rows' parameters need no more); ``auto`` decides on device.
     """
+    if kind not in SAMPLING_KINDS:
+        raise ValueError(f"sampling kind must be one of {SAMPLING_KINDS}, got {kind!r}")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if kind == "greedy":
+        return greedy
     stochastic = temperature > 0
     scaled = logits / jnp.where(stochastic, temperature, 1.0)[:, None]
-    needs_filter = jnp.any(stochastic & ((top_k > 0) | (top_p < 1.0)))
-    scaled = jax.lax.cond(needs_filter, filter_top_k_top_p, lambda x, *_: x, scaled, top_k, top_p)
+    if kind == "filtered":
+        scaled = filter_top_k_top_p(scaled, top_k, top_p)
+    elif kind == "auto":
+        needs_filter = jnp.any(stochastic & ((top_k > 0) | (top_p < 1.0)))
+        scaled = jax.lax.cond(needs_filter, filter_top_k_top_p, lambda x, *_: x, scaled, top_k, top_p)
     step_keys = jax.vmap(jax.random.fold_in)(keys, steps)
     drawn = jax.vmap(jax.random.categorical)(step_keys, scaled).astype(jnp.int32)
     return jnp.where(stochastic, drawn, greedy)

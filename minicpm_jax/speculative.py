@@ -115,10 +115,13 @@ def frspec_head(model: MiniCPMForCausalLM, ids: np.ndarray) -> jax.Array:
     return model.lm_head.kernel[...][:, idx].T
 
 
-def draft_log_probs(model: MiniCPMForCausalLM, hidden: jax.Array, head: jax.Array | None) -> jax.Array:
-    """fp32 log-probabilities of the draft over the target vocabulary, or over the FR-Spec subset whose
-    lm_head rows are ``head [V', H]`` (with the target's logit scale, unlike CPM.cu)."""
-    if head is None:
+def draft_log_probs(model: MiniCPMForCausalLM, draft: EagleDraft, hidden: jax.Array, head: jax.Array | None) -> jax.Array:
+    """fp32 log-probabilities of the draft: over its own vocabulary (EAGLE-3), over the target
+    vocabulary through the target lm_head, or over the FR-Spec subset whose lm_head rows are
+    ``head [V', H]`` (with the target's logit scale, unlike CPM.cu)."""
+    if draft.own_head:
+        logits = draft.logits(hidden)
+    elif head is None:
         logits = model.logits(hidden)
     else:
         h = hidden * jnp.asarray(model.config.logit_scale, hidden.dtype)
@@ -151,6 +154,13 @@ def _embed(model: MiniCPMForCausalLM, tokens: jax.Array) -> jax.Array:
     return model.model.embed_tokens(tokens).astype(model.dtype) * jnp.asarray(model.config.scale_emb, model.dtype)
 
 
+def target_forward(model: MiniCPMForCausalLM, draft: EagleDraft, tokens, cache, num_valid, mode="dense", tree=None):
+    """Target forward returning (final hidden ``[B, T, H]``, the draft's features ``[B, T, F]``, cache):
+    the final hidden itself (EAGLE-1/2), or the residual streams entering the capture layers (EAGLE-3)."""
+    hidden, captured, cache = model.forward_features(tokens, cache, num_valid, mode, tree, capture=draft.spec.capture)
+    return hidden, (jnp.concatenate(captured, axis=-1) if captured else hidden), cache
+
+
 def _catch_up(model, draft: EagleDraft, st: SpecState, window: int | None):
     """The draft reads the pending pairs; returns (hidden of each row's last pair ``[B, H]``, draft cache)."""
     b, a = st.pend_tok.shape
@@ -171,7 +181,7 @@ def _expand_tree(model, draft: EagleDraft, dcache: KVCache, h_last, head, ids, s
     b = h_last.shape[0]
     k, m = spec.topk_per_iter, spec.draft_slots
     to_token = (lambda i: i) if ids is None else (lambda i: ids[i])
-    score, idx = lax.top_k(draft_log_probs(model, h_last, head), k)  # [B, k]
+    score, idx = lax.top_k(draft_log_probs(model, draft, h_last, head), k)  # [B, k]
     tok = to_token(idx)
     cands_tok, cands_score, cands_parent, cands_depth = [tok], [score], [jnp.full((b, k), -1, jnp.int32)], [1]
     front_tok, front_score, front_id = tok, score, jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
@@ -183,8 +193,8 @@ def _expand_tree(model, draft: EagleDraft, dcache: KVCache, h_last, head, ids, s
         mask = anc | own[None]
         positions = jnp.broadcast_to(dcache.lengths[:, None] - 1 + i, (b, k))
         h, dcache = draft(_embed(model, front_tok), front_h, positions, jnp.ones((b, k), bool), dcache,
-                          TreeInputs(dcache.lengths, mask, (i - 1) * k, window))
-        s, ix = lax.top_k(draft_log_probs(model, h, head), k)  # [B, k, k]
+                          TreeInputs(dcache.lengths, mask, (i - 1) * k, window), from_target=False)
+        s, ix = lax.top_k(draft_log_probs(model, draft, h, head), k)  # [B, k, k]
         cum = (front_score[:, :, None] + s).reshape(b, k * k)
         new_tok = to_token(ix).reshape(b, k * k)
         cands_tok.append(new_tok)
@@ -224,12 +234,15 @@ def tree_masks(parent: jax.Array, depth_limit: int) -> jax.Array:
     return reach.astype(bool)
 
 
-def _round(model, draft, head, ids, cache: KVCache, ds: DecodeState, st: SpecState, *, spec: SpecConfig):
+def _round(model, draft, head, ids, cache: KVCache, ds: DecodeState, st: SpecState, *, spec: SpecConfig,
+           sampling: str = "auto"):
     """One speculative round for every active row; returns (cache, ds, st, emitted ``int32[B, A]`` (-1 = none))."""
     b = ds.tok.shape[0]
     a_max, n = spec.max_accept, spec.tree_size
     active = ~ds.done
     window = spec.window_size or None
+    if draft.own_head:  # EAGLE-3: draft ids -> target ids
+        ids = draft.target_ids()
     h_last, dcache = _catch_up(model, draft, st, window)
     # Tree (node 0 = root).
     if n > 1:
@@ -243,12 +256,13 @@ def _round(model, draft, head, ids, cache: KVCache, ds: DecodeState, st: SpecSta
     orphan = parent < 0  # never accepted, nor anything under it
     mask = tree_masks(parent, spec.num_iter)
     prefix = cache.lengths
-    logits, hidden, cache = model(tokens, cache, jnp.where(active, n, 0), tree=(depth, mask))
+    hidden, features, cache = target_forward(model, draft, tokens, cache, jnp.where(active, n, 0), tree=(depth, mask))
+    logits = model.logits(hidden)
     # The target's token at every node: argmax, or an independent draw per node.
     steps = ds.n_gen[:, None] * MAX_TREE_NODES + jnp.arange(n, dtype=jnp.int32)[None, :]
     rep = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
     target = sample(logits.reshape(b * n, -1), rep(ds.keys), steps.reshape(-1), rep(ds.temperature), rep(ds.top_k),
-                    rep(ds.top_p)).reshape(b, n)
+                    rep(ds.top_p), sampling).reshape(b, n)
     parent0 = jnp.maximum(parent, 0)
     # Nodes past the end of the cache were not stored: never accepted (a full tree needs no free room).
     stored = prefix[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :] < cache.max_length
@@ -281,7 +295,7 @@ def _round(model, draft, head, ids, cache: KVCache, ds: DecodeState, st: SpecSta
         ds, tok=jnp.where(active, last, ds.tok), n_gen=n_gen, done=ds.done | hit_stop | hit_len,
         finish=jnp.where(hit_stop, FINISH_STOP, jnp.where(hit_len, FINISH_LENGTH, ds.finish)).astype(jnp.int32),
     )
-    feats = jnp.take_along_axis(hidden, path[:, :, None], axis=1)
+    feats = jnp.take_along_axis(features, path[:, :, None], axis=1)
     counted = jnp.where(active, n_acc, 0)
     st = SpecState(
         dcache=dcache, pend_tok=emitted, pend_feat=feats.astype(st.pend_feat.dtype), pend_n=counted,
@@ -290,7 +304,8 @@ def _round(model, draft, head, ids, cache: KVCache, ds: DecodeState, st: SpecSta
     return cache, ds, st, jnp.where(keep, emitted, -1)
 
 
-def _spec_block(graphdef, state, dgraph, dstate, head, ids, cache, ds, st, *, rounds: int, spec: SpecConfig):
+def _spec_block(graphdef, state, dgraph, dstate, head, ids, cache, ds, st, *, rounds: int, spec: SpecConfig,
+                sampling: str = "auto"):
     """Up to ``rounds`` rounds on device; returns (cache, ds, st, tokens ``int32[B, rounds·A]``, -1 = none)."""
     model, draft = nnx.merge(graphdef, state), nnx.merge(dgraph, dstate)
     a = spec.max_accept
@@ -302,7 +317,7 @@ def _spec_block(graphdef, state, dgraph, dstate, head, ids, cache, ds, st, *, ro
 
     def body(carry):
         i, cache, ds, st, out = carry
-        cache, ds, st, emitted = _round(model, draft, head, ids, cache, ds, st, spec=spec)
+        cache, ds, st, emitted = _round(model, draft, head, ids, cache, ds, st, spec=spec, sampling=sampling)
         out = lax.dynamic_update_slice(out, emitted, (0, i * a))
         return i + 1, cache, ds, st, out
 
@@ -316,14 +331,16 @@ def _spec_prefill_chunk(graphdef, state, dgraph, dstate, cache, dcache, tokens, 
 
     Keeps each row's last-token logits and final feature (the feature of the pair the root completes)."""
     model, draft = nnx.merge(graphdef, state), nnx.merge(dgraph, dstate)
-    hidden, cache = model.forward(tokens, cache, num_valid, "dense")
+    hidden, features, cache = target_forward(model, draft, tokens, cache, num_valid)
     c = tokens.shape[1]
     positions = dcache.lengths[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
     valid = jnp.arange(c)[None, :] < draft_valid[:, None]
-    _, dcache = draft(_embed(model, next_tokens), hidden, positions, valid, dcache)
-    last = jnp.take_along_axis(hidden, jnp.maximum(num_valid - 1, 0)[:, None, None], axis=1)[:, 0]
+    _, dcache = draft(_embed(model, next_tokens), features, positions, valid, dcache)
+    last_index = jnp.maximum(num_valid - 1, 0)[:, None, None]
+    last = jnp.take_along_axis(hidden, last_index, axis=1)[:, 0]
+    feat = jnp.take_along_axis(features, last_index, axis=1)[:, 0]
     has = (num_valid > 0)[:, None]
-    return cache, dcache, jnp.where(has, model.logits(last), last_logits), jnp.where(has, last, last_feat)
+    return cache, dcache, jnp.where(has, model.logits(last), last_logits), jnp.where(has, feat, last_feat)
 
 
 class SpeculativeEngine(Engine):
@@ -343,23 +360,26 @@ class SpeculativeEngine(Engine):
         if draft.spec.layer.hidden_size != model.config.hidden_size or draft.spec.layer.vocab_size != model.config.vocab_size:
             raise MiniCPMError("the draft's hidden size / vocabulary do not match the target's")
         self.spec = spec.check()
+        if frspec_ids is not None and draft.own_head:
+            raise MiniCPMError("FR-Spec applies to drafts that use the target's lm_head; an EAGLE-3 draft has its own "
+                               "reduced vocabulary (drop --frspec_path)")
         if self.max_length < 16:
             raise MiniCPMError(f"speculative decoding needs max_length >= 16, got {self.max_length}")
         self.draft = draft
         self.dgraph, self.dstate = nnx.split(draft)
         self.ids = None if frspec_ids is None else jnp.asarray(frspec_ids, jnp.int32)
         self.head = None if frspec_ids is None else frspec_head(model, frspec_ids)
-        h = model.config.hidden_size
         self.dcache = draft.new_cache(batch_size, self.max_length + spec.draft_slots + spec.max_accept)
-        self.last_feat = jnp.zeros((batch_size, h), model.dtype)
+        self.last_feat = jnp.zeros((batch_size, draft.spec.feature_size), model.dtype)
         self._jitted["spec_prefill"] = jax.jit(
             lambda state, dstate, cache, dcache, *rest: _spec_prefill_chunk(self.graphdef, state, self.dgraph, dstate,
                                                                             cache, dcache, *rest),
             donate_argnums=(2, 3))
         self._jitted["spec_decode"] = jax.jit(
-            lambda state, dstate, head, ids, cache, ds, st: _spec_block(
-                self.graphdef, state, self.dgraph, dstate, head, ids, cache, ds, st, rounds=decode_block, spec=self.spec),
-            donate_argnums=(4, 6))
+            lambda state, dstate, head, ids, cache, ds, st, sampling: _spec_block(
+                self.graphdef, state, self.dgraph, dstate, head, ids, cache, ds, st, rounds=decode_block, spec=self.spec,
+                sampling=sampling),
+            donate_argnums=(4, 6), static_argnames="sampling")
         self.last_accepted: np.ndarray | None = None  # rounds by tokens emitted, of the last decode loop
 
     def reset(self) -> None:
@@ -416,14 +436,14 @@ class SpeculativeEngine(Engine):
         st = SpecState(
             dcache=self.dcache,
             pend_tok=jnp.zeros((b, a), jnp.int32).at[:, 0].set(ds.tok),
-            pend_feat=jnp.zeros((b, a, self.config.hidden_size), self.model.dtype).at[:, 0].set(self.last_feat),
+            pend_feat=jnp.zeros((b, a, self.draft.spec.feature_size), self.model.dtype).at[:, 0].set(self.last_feat),
             pend_n=jnp.where(ds.done, 0, 1).astype(jnp.int32),
             accepted=jnp.zeros((b, a + 1), jnp.int32),
         )
         pending = None
         while not all(host_done):
             args = (self.state, self.dstate, self.head, self.ids, self.cache, ds, st)
-            self.cache, ds, st, block = self._executable("spec_decode", None, *args)(*args)
+            self.cache, ds, st, block = self._executable("spec_decode", None, *args, sampling=self.sampling)(*args)
             if pending is not None:
                 ds = self._consume(pending, outputs, host_done, on_tokens, ds)
             pending = (block, ds.done)

@@ -141,3 +141,26 @@ def test_sampler_distribution_and_greedy():
     assert (draws[:, 1] == 1).all()  # temperature 0 row is greedy
     freq = np.bincount(draws[:, 0], minlength=3) / 2000
     np.testing.assert_allclose(freq, [0.1, 0.6, 0.3], atol=0.04)
+
+
+def test_static_sampling_kinds_draw_what_auto_draws():
+    """Each static path (the engine compiles the one its requests need) equals the on-device choice."""
+    from minicpm_jax.sampling import sampling_kind
+
+    assert sampling_kind([SamplingParams(), SamplingParams()]) == "greedy"
+    assert sampling_kind([SamplingParams(), SamplingParams(temperature=0.5)]) == "temperature"
+    assert sampling_kind([SamplingParams(top_k=5), SamplingParams(temperature=0.5, top_p=0.9)]) == "filtered"
+    assert sampling_kind([SamplingParams(top_k=5)]) == "greedy"  # filters without temperature do nothing
+    logits = jax.random.normal(jax.random.PRNGKey(0), (4, 50)) * 3
+    keys = jnp.stack([jax.random.PRNGKey(i) for i in range(4)])
+    steps = jnp.arange(4, dtype=jnp.int32)
+    rows = {
+        "greedy": ([0.0] * 4, [0] * 4, [1.0] * 4),
+        "temperature": ([0.0, 0.7, 1.0, 2.0], [0] * 4, [1.0] * 4),
+        "filtered": ([0.0, 0.7, 1.0, 2.0], [0, 3, 0, 10], [1.0, 1.0, 0.8, 0.5]),
+    }
+    for kind, (t, k, p) in rows.items():
+        args = (logits, keys, steps, jnp.asarray(t), jnp.asarray(k, jnp.int32), jnp.asarray(p))
+        np.testing.assert_array_equal(np.asarray(sample(*args, kind)), np.asarray(sample(*args)))
+    with pytest.raises(ValueError, match="sampling kind"):
+        sample(*args, "nucleus")

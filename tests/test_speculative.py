@@ -138,6 +138,44 @@ def test_frspec_subset_keeps_greedy_output(pair, plain_greedy):
     assert [r.token_ids for r in out] == plain_greedy
 
 
+@pytest.fixture(scope="module")
+def eagle3_draft(pair):
+    """A random EAGLE-3 draft over a 16-id draft vocabulary (d2t maps it onto scattered target ids)."""
+    model, _ = pair
+    spec = DraftSpec.for_target(model.config, "eagle3", draft_vocab=16)
+    draft = EagleDraft(spec, max_length=MAX_LEN, attention_impl="xla", dtype=jnp.float32, rngs=nnx.Rngs(5))
+    used = np.sort(np.random.default_rng(0).choice(VOCAB, 16, replace=False))
+    draft.d2t.set_value(jnp.asarray(used - np.arange(16), jnp.int32))
+    return draft
+
+
+def test_eagle3_greedy_speculative_equals_plain_greedy(pair, plain_greedy, eagle3_draft):
+    model, _ = pair
+    assert eagle3_draft.spec.capture == (2, 1, 0) and eagle3_draft.spec.feature_size == 3 * model.config.hidden_size
+    engine = SpeculativeEngine(model, eagle3_draft, spec=SpecConfig(num_iter=3, topk_per_iter=6, tree_size=24),
+                               batch_size=2, chunk_length=16)
+    out, stats = engine.generate(PROMPTS, max_new_tokens=30)
+    assert [r.token_ids for r in out] == plain_greedy
+    assert stats.spec_summary()["mean_accept_length"] > 1.0  # a random draft is sometimes right
+    with pytest.raises(MiniCPMError, match="FR-Spec"):
+        SpeculativeEngine(model, eagle3_draft, frspec_ids=np.arange(8))
+
+
+def test_captured_features_are_the_residual_stream_entering_each_layer(pair):
+    model, _ = pair
+    tokens = jnp.asarray([PROMPTS[1]])
+    _, captured, _ = model.forward_features(tokens, model.new_cache(1), capture=(0, 2))
+    x = model.model.embed_tokens(tokens) * model.config.scale_emb
+    np.testing.assert_allclose(np.asarray(captured[0]), np.asarray(x), rtol=1e-6)
+    cache = model.new_cache(1)
+    positions = jnp.arange(tokens.shape[1])[None]
+    valid = jnp.ones(tokens.shape, bool)
+    lengths = jnp.asarray([tokens.shape[1]])
+    for layer in model.model.layers[:2]:
+        x, cache = layer(x, positions, valid, cache, lengths)
+    np.testing.assert_allclose(np.asarray(captured[1]), np.asarray(x), rtol=1e-5, atol=1e-5)
+
+
 def test_stop_ids_and_budgets_inside_a_round(pair, plain_greedy):
     model, draft = pair
     engine = SpeculativeEngine(model, draft, spec=SpecConfig(num_iter=4, topk_per_iter=4, tree_size=24), batch_size=2,
@@ -260,13 +298,20 @@ def test_oracle_accept_mode_accepts_exactly_k(pair):
     assert summary["depth_acceptance"] == [1.0, 1.0, 0.0]
 
 
-def test_draft_checkpoint_round_trip_and_errors(pair, tmp_path):
+def test_draft_checkpoint_round_trip_and_errors(pair, eagle3_draft, tmp_path):
     model, draft = pair
+    llama = EagleDraft(DraftSpec.for_target(model.config, "llama"), max_length=MAX_LEN, attention_impl="xla",
+                       dtype=jnp.float32, rngs=nnx.Rngs(3))
+    for name, d in (("eagle3", eagle3_draft), ("llama", llama), ("draft", draft)):
+        save_draft(d, str(tmp_path / name))
+        loaded = load_draft(str(tmp_path / name), model.config, max_length=MAX_LEN, attention_impl="xla",
+                            dtype=jnp.float32)
+        assert loaded.spec == d.spec
+        for a, b in zip(jax.tree.leaves(nnx.state(d)), jax.tree.leaves(nnx.state(loaded))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     path = str(tmp_path / "draft")
-    save_draft(draft, path)
-    loaded = load_draft(path, model.config, max_length=MAX_LEN, attention_impl="xla", dtype=jnp.float32)
-    for a, b in zip(jax.tree.leaves(nnx.state(draft)), jax.tree.leaves(nnx.state(loaded))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    from safetensors.numpy import load_file as load_tensors
+    assert "midlayer.hidden_norm.weight" in load_tensors(str(tmp_path / "eagle3" / "model.safetensors"))
     from safetensors.numpy import load_file, save_file
     tensors = load_file(f"{path}/model.safetensors")
     del tensors["input_norm2.weight"]
@@ -274,10 +319,15 @@ def test_draft_checkpoint_round_trip_and_errors(pair, tmp_path):
     save_file(tensors, f"{path}/model.safetensors")
     with pytest.raises(MiniCPMError, match="(?s)missing tensor input_norm2.weight.*down_proj.weight has shape"):
         load_draft(path, model.config, max_length=MAX_LEN, attention_impl="xla", dtype=jnp.float32)
-    save_file({"midlayer.hidden_norm.weight": np.ones(4, np.float32), "fc.weight": np.ones((2, 2), np.float32)},
+    save_file({"model.eagle_layers.0.mlp.down_proj.weight": np.ones(4, np.float32), "fc.weight": np.ones((2, 2), np.float32)},
               f"{path}/model.safetensors")
-    with pytest.raises(MiniCPMError, match="EAGLE-3"):
+    with pytest.raises(MiniCPMError, match="vLLM-format"):
         load_draft(path, model.config, max_length=MAX_LEN, attention_impl="xla", dtype=jnp.float32)
+    e3 = load_tensors(str(tmp_path / "eagle3" / "model.safetensors"))
+    e3["d2t"] = e3["d2t"] + 50
+    save_file(e3, str(tmp_path / "eagle3" / "model.safetensors"))
+    with pytest.raises(MiniCPMError, match="d2t maps draft ids outside"):
+        load_draft(str(tmp_path / "eagle3"), model.config, max_length=MAX_LEN, attention_impl="xla", dtype=jnp.float32)
     with pytest.raises(MiniCPMError, match="does not exist"):
         load_draft(str(tmp_path / "nowhere"), model.config, max_length=MAX_LEN, attention_impl="xla", dtype=jnp.float32)
 
