@@ -1,4 +1,4 @@
-"""``python -m checkpoints_convert {gguf,hf,gptq,quantize,inspect} ...``: offline checkpoint tools.
+"""``python -m checkpoints_convert {gguf,hf,gptq,quantize,eagle,frspec,inspect} ...``: offline checkpoint tools.
 
 Every write goes to a temporary directory beside the destination and is renamed into place only when
 complete; an existing destination is refused unless ``--overwrite``. Errors print one line (exit 2).
@@ -56,6 +56,22 @@ def _parser() -> argparse.ArgumentParser:
                    help="zero-point convention of the output (gptq = v1, stored minus one)")
     z.add_argument("--overwrite", action="store_true", help="replace an existing --dst")
 
+    e = sub.add_parser("eagle", help="EAGLE draft -> another tensor layout (CPM.cu/SafeAILab names or vLLM's)")
+    e.add_argument("--src", required=True, help="draft directory (any supported layout)")
+    e.add_argument("--dst", required=True, help="output directory")
+    e.add_argument("--layout", default="cpmcu", choices=["cpmcu", "vllm"],
+                   help="cpmcu: fc / input_norm1/2 / layers.0 (EAGLE-3: midlayer); vllm: model.fc / model.eagle_layers.0")
+    e.add_argument("--target", help="target model directory (its embedding and lm_head, for --layout vllm)")
+    e.add_argument("--overwrite", action="store_true", help="replace an existing --dst")
+
+    f = sub.add_parser("frspec", help="FR-Spec index files (most frequent token ids) from a text corpus")
+    f.add_argument("--tokenizer", required=True, help="model directory with the tokenizer")
+    f.add_argument("--corpus", required=True, help="UTF-8 text, one document per line")
+    f.add_argument("--vocab_sizes", default="8192,16384,32768", help="comma-separated subset sizes")
+    f.add_argument("--max_lines", type=int, default=1_000_000, help="lines of the corpus to count")
+    f.add_argument("--dst", required=True, help="output directory (freq_<V>.npy files)")
+    f.add_argument("--overwrite", action="store_true", help="replace an existing --dst")
+
     i = sub.add_parser("inspect", help="print what a checkpoint holds")
     i.add_argument("path", help="HF directory, native directory or .gguf file")
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -100,6 +116,23 @@ def main(argv: list[str] | None = None) -> int:
                                        calibration_file=args.calibration_file, settings=settings,
                                        checkpoint_format=args.checkpoint_format, overwrite=args.overwrite)
             print(f"wrote {args.dst} ({args.method}, {spec}) in {time.perf_counter() - t0:.1f} s")
+        elif args.command == "eagle":
+            from checkpoints_convert.eagle import convert_eagle
+
+            kind = convert_eagle(args.src, args.dst, layout=args.layout, target=args.target, overwrite=args.overwrite)
+            print(f"wrote {args.dst} ({kind} draft, {args.layout} layout) in {time.perf_counter() - t0:.1f} s")
+        elif args.command == "frspec":
+            from checkpoints_convert.eagle import make_frspec
+
+            try:
+                sizes = [int(x) for x in args.vocab_sizes.split(",") if x.strip()]
+            except ValueError:
+                raise MiniCPMError(f"--vocab_sizes must be comma-separated integers, got {args.vocab_sizes!r}") from None
+            if args.max_lines < 1:
+                raise MiniCPMError("--max_lines must be >= 1")
+            make_frspec(args.tokenizer, args.corpus, sizes, args.dst, max_lines=args.max_lines, overwrite=args.overwrite)
+            print(f"wrote {args.dst} (freq_<V>.npy for V = {', '.join(map(str, sizes))}) in "
+                  f"{time.perf_counter() - t0:.1f} s")
         else:
             from checkpoints_convert.inspect_checkpoint import format_summary, inspect
 

@@ -174,17 +174,18 @@ class EagleDraft(nnx.Module):
 # ------------------------------------------------------------------------------------------- checkpoints
 
 
-def _read_tensors(path: str) -> dict[str, np.ndarray]:
-    """All tensors of a draft directory: ``*.safetensors``, else ``pytorch_model.bin`` (needs torch)."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
+def read_draft_tensors(path: str) -> dict[str, np.ndarray]:
+    """All tensors of a draft directory as NumPy arrays (bf16 kept as ``ml_dtypes.bfloat16``):
+    ``*.safetensors``, else ``pytorch_model.bin`` (needs torch)."""
+    from safetensors import SafetensorError, safe_open
 
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     tensors: dict[str, np.ndarray] = {}
     if files:
         for f in files:
             try:
-                tensors.update(load_file(os.path.join(path, f)))
+                with safe_open(os.path.join(path, f), framework="flax") as h:
+                    tensors.update({k: np.asarray(h.get_tensor(k)) for k in h.keys()})
             except (SafetensorError, OSError, ValueError) as e:
                 raise MiniCPMError(f"{os.path.join(path, f)} is not a readable safetensors file ({e})") from None
         return tensors
@@ -199,15 +200,42 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
         state = torch.load(binary, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
         raise MiniCPMError(f"cannot read {binary}: {e}") from None
-    return {k: v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy() for k, v in state.items()}
+    import ml_dtypes
+
+    return {k: v.float().numpy().astype(ml_dtypes.bfloat16) if v.dtype == torch.bfloat16 else v.numpy()
+            for k, v in state.items()}
+
+
+def from_vllm_names(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], bool]:
+    """Renames a vLLM-format MiniCPM EAGLE checkpoint (``model.fc``, ``model.input_norm{1,2}``,
+    ``model.eagle_layers.0.*``, ``model.embed_tokens``, ``lm_head``) to CPM.cu's names; returns (tensors,
+    whether it was vLLM's). The copies of the target's embedding and lm_head are dropped (the target's
+    own are used); drafts of more than one layer are refused."""
+    if not any(n.startswith("model.eagle_layers.") or n == "model.fc.weight" for n in tensors):
+        return tensors, False
+    layers = {n.split(".")[2] for n in tensors if n.startswith("model.eagle_layers.")}
+    if layers - {"0"}:
+        raise MiniCPMError(f"this draft has {len(layers)} EAGLE layers; only one-layer drafts are supported")
+    out = {}
+    for name, value in tensors.items():
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            continue
+        name = name.replace("model.eagle_layers.0.", "layers.0.")
+        out[name[len("model."):] if name.startswith("model.") else name] = value
+    return out, True
+
+
+def to_vllm_names(tensors: dict[str, np.ndarray], embed: np.ndarray, lm_head: np.ndarray) -> dict[str, np.ndarray]:
+    """CPM.cu-format MiniCPM EAGLE tensors → vLLM's names, with the target's embedding and lm_head."""
+    out = {"model.embed_tokens.weight": embed, "lm_head.weight": lm_head}
+    for name, value in tensors.items():
+        out["model." + name.replace("layers.0.", "eagle_layers.0.")] = value
+    return out
 
 
 def draft_kind_of(names: set[str]) -> str:
-    """``minicpm``, ``llama`` or ``eagle3`` from a draft checkpoint's tensor names; a clear error for
-    other formats."""
-    if any(".eagle_layers." in n for n in names):
-        raise MiniCPMError("vLLM-format EAGLE drafts (model.eagle_layers.*) are not supported yet; use CPM.cu's or "
-                           "SafeAILab's format")
+    """``minicpm``, ``llama`` or ``eagle3`` from a draft checkpoint's tensor names (CPM.cu / SafeAILab
+    names, after :func:`from_vllm_names`); a clear error for other checkpoints."""
     if "fc.weight" not in names:
         raise MiniCPMError("not an EAGLE draft checkpoint: it has no fc.weight tensor")
     if any(n.startswith("midlayer.") for n in names) or "d2t" in names:
@@ -269,7 +297,7 @@ def load_draft(path: str, target: ModelConfig, *, max_length: int, attention_imp
     """
     if not os.path.isdir(path):
         raise MiniCPMError(f"draft checkpoint directory {path!r} does not exist")
-    tensors = _read_tensors(path)
+    tensors, _ = from_vllm_names(read_draft_tensors(path))
     names = set(tensors)
     kind = draft_kind_of(names)
     overrides = {}
@@ -291,11 +319,15 @@ def load_draft(path: str, target: ModelConfig, *, max_length: int, attention_imp
         draft_vocab = raw.get("draft_vocab_size") or (tensors["lm_head.weight"].shape[0] if "lm_head.weight" in names
                                                       else target.vocab_size)
     spec = DraftSpec.for_target(target, kind, draft_vocab=draft_vocab, **overrides)
+    if kind == "minicpm" and isinstance(raw.get("mup_denominator"), (int, float)) and raw["mup_denominator"] > 0:
+        # vLLM's EagleMiniCPM scales the residuals by scale_depth / sqrt(mup_denominator).
+        scale_depth = raw.get("scale_depth", target.scale_depth)
+        spec = dataclasses.replace(spec, residual_scale=scale_depth / math.sqrt(raw["mup_denominator"]))
     layout = _checkpoint_layout(spec, names)
     want = {n: shape for _, ns, shapes in layout for n, shape in zip(ns, shapes)}
     optional = {"fc.bias", "embed_tokens.weight", "t2d"}  # the embedding is the target's; t2d is implied by d2t
     problems = [f"missing tensor {n} (expected shape {list(sh)})" for n, sh in want.items()
-                if n not in names and not (n == "fc.bias" and kind != "eagle3")]
+                if n not in names and n != "fc.bias"]
     problems += [f"tensor {n} has shape {list(tensors[n].shape)}, expected {list(sh)}"
                  for n, sh in want.items() if n in names and tuple(tensors[n].shape) != sh]
     problems += [f"unexpected tensor {n}" for n in sorted(names - set(want) - optional)

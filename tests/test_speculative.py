@@ -319,9 +319,9 @@ def test_draft_checkpoint_round_trip_and_errors(pair, eagle3_draft, tmp_path):
     save_file(tensors, f"{path}/model.safetensors")
     with pytest.raises(MiniCPMError, match="(?s)missing tensor input_norm2.weight.*down_proj.weight has shape"):
         load_draft(path, model.config, max_length=MAX_LEN, attention_impl="xla", dtype=jnp.float32)
-    save_file({"model.eagle_layers.0.mlp.down_proj.weight": np.ones(4, np.float32), "fc.weight": np.ones((2, 2), np.float32)},
+    save_file({"model.eagle_layers.1.mlp.down_proj.weight": np.ones(4, np.float32), "model.fc.weight": np.ones((2, 2), np.float32)},
               f"{path}/model.safetensors")
-    with pytest.raises(MiniCPMError, match="vLLM-format"):
+    with pytest.raises(MiniCPMError, match="only one-layer drafts"):
         load_draft(path, model.config, max_length=MAX_LEN, attention_impl="xla", dtype=jnp.float32)
     e3 = load_tensors(str(tmp_path / "eagle3" / "model.safetensors"))
     e3["d2t"] = e3["d2t"] + 50
@@ -386,3 +386,47 @@ def test_greedy_speculative_with_pallas_kernels_on_gpu():
     out, stats = engine.generate(PROMPTS, max_new_tokens=30)
     assert [r.token_ids for r in out] == [r.token_ids for r in want]
     assert stats.spec_summary()["mean_accept_length"] > 1.8
+
+
+def test_convert_eagle_between_layouts_and_frspec_from_a_corpus(pair, tmp_path, tiny_ckpt):
+    """CPM.cu layout -> vLLM layout (with the target's head) -> CPM.cu layout gives the same draft; the
+    vLLM file loads directly too. frspec counts a corpus into freq_<V>.npy files that read_frspec reads."""
+    from checkpoints_convert.__main__ import main as convert
+    from safetensors.numpy import load_file as load_tensors
+    from minicpm_jax.weights import load_model
+
+    model = load_model(tiny_ckpt[0], dtype=jnp.float32, max_length=MAX_LEN)
+    draft = EagleDraft(DraftSpec.for_target(model.config), max_length=MAX_LEN, attention_impl="xla",
+                       dtype=jnp.float32, rngs=nnx.Rngs(4))
+    save_draft(draft, str(tmp_path / "cpmcu"))
+    assert convert(["eagle", "--src", str(tmp_path / "cpmcu"), "--dst", str(tmp_path / "vllm"), "--layout", "vllm"]) == 2
+    assert convert(["eagle", "--src", str(tmp_path / "cpmcu"), "--dst", str(tmp_path / "vllm"), "--layout", "vllm",
+                    "--target", tiny_ckpt[0]]) == 0
+    names = set(load_tensors(str(tmp_path / "vllm" / "model.safetensors")))
+    assert {"model.fc.weight", "model.eagle_layers.0.mlp.down_proj.weight", "lm_head.weight",
+            "model.embed_tokens.weight", "model.input_norm1.weight"} <= names
+    assert convert(["eagle", "--src", str(tmp_path / "vllm"), "--dst", str(tmp_path / "back")]) == 0
+    for path in ("vllm", "back"):
+        loaded = load_draft(str(tmp_path / path), model.config, max_length=MAX_LEN, attention_impl="xla",
+                            dtype=jnp.float32)
+        for a, b in zip(jax.tree.leaves(nnx.state(draft)), jax.tree.leaves(nnx.state(loaded))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert convert(["eagle", "--src", str(tmp_path / "vllm"), "--dst", str(tmp_path / "back")]) == 2  # exists
+
+
+@pytest.mark.smollm2
+def test_frspec_index_from_a_corpus(smollm2_dir, tmp_path):
+    from checkpoints_convert.__main__ import main as convert
+    from minicpm_jax.tokenizer import load_tokenizer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat\nthe dog sat\n\nthe end\n", encoding="utf-8")
+    assert convert(["frspec", "--tokenizer", smollm2_dir, "--corpus", str(corpus), "--vocab_sizes", "4,50",
+                    "--dst", str(tmp_path / "fr")]) == 0
+    tok = load_tokenizer(smollm2_dir)
+    ids4 = read_frspec(str(tmp_path / "fr"), vocab_size=len(tok), subset_size=4)
+    assert ids4[0] == tok.encode(" the", add_special_tokens=False)[0] or tok.decode([ids4[0]]).strip() == "the"
+    assert tok.eos_token_id in ids4.tolist() and len(ids4) == 4
+    assert len(read_frspec(str(tmp_path / "fr" / "freq_50.npy"), vocab_size=len(tok))) == 50
+    assert convert(["frspec", "--tokenizer", smollm2_dir, "--corpus", str(tmp_path / "none.txt"),
+                    "--dst", str(tmp_path / "fr2")]) == 2
