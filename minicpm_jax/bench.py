@@ -119,6 +119,8 @@ flags.DEFINE_integer("max_length", None, "Static cache length (default: largest 
 flags.DEFINE_enum("peer", "none", ["none", "hf"], "Also run this peer on the e2e rows (hf: transformers on the GPU).")
 flags.DEFINE_list("peer_attn", ["eager", "sdpa"], "HF attn_implementation values to run with --peer hf.")
 flags.DEFINE_integer("peer_decode_steps", 32, "Tokens the HF peer decodes per timed run.")
+flags.DEFINE_boolean("xla_command_buffers", True, "CUDA graphs for while/conditional bodies, as run and server "
+                     "use (minicpm_jax.gpu_setup).")
 flags.DEFINE_string("json_out", None, "Write all results as JSON here.")
 flags.DEFINE_string("markdown_out", None, "Write the markdown tables here.")
 flags.DEFINE_string("plot", None, "Draw decode ms/token vs context (e2e rows, kernels' decode rows) to this PNG.")
@@ -555,6 +557,10 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv):
     del argv
+    if FLAGS.xla_command_buffers:
+        from minicpm_jax.gpu_setup import enable_command_buffers
+
+        enable_command_buffers()
     try:
         _main()
     except MiniCPMError as e:

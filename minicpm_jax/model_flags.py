@@ -56,6 +56,9 @@ flags.DEFINE_integer("frspec_vocab_size", 32768, "FR-Spec: keep this many most f
 
 flags.DEFINE_boolean("compilation_cache", True, "Persistent JAX compilation cache in $MINICPM_JAX_CACHE/jax_cache.",
                      module_name=_S)
+flags.DEFINE_boolean("xla_command_buffers", True, "Let XLA record the decode loop (while/conditional bodies "
+                     "included) into CUDA graphs (adds --xla_gpu_enable_command_buffer to XLA_FLAGS unless set there).",
+                     module_name=_S)
 
 
 def fail(message: str) -> None:
@@ -84,6 +87,16 @@ def validate_model_flags() -> None:
         val = getattr(FLAGS, name)
         if val is not None and val < low:
             raise MiniCPMError(f"--{name}: sparse {field} must be >= {low}, got {val}")
+
+
+def apply_system_flags() -> None:
+    """The system flags: XLA command buffers (before JAX starts) and the compilation cache."""
+    from minicpm_jax.gpu_setup import enable_command_buffers
+
+    if FLAGS.xla_command_buffers:
+        enable_command_buffers()
+    if FLAGS.compilation_cache:
+        enable_compilation_cache()
 
 
 def enable_compilation_cache() -> None:

@@ -25,7 +25,7 @@ from absl import app, flags
 
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model_flags import (
-    enable_compilation_cache, fail, load_from_flags, make_engine, sparse_description, validate_model_flags,
+    apply_system_flags, fail, load_from_flags, make_engine, sparse_description, validate_model_flags,
     weights_description,
 )
 from minicpm_jax.tokenizer import TextStream
@@ -228,8 +228,7 @@ def main(argv) -> None:
         fail(f"unexpected arguments {' '.join(argv[1:])!r}; put the prompt in --prompt_text")
     try:
         _validate()
-        if FLAGS.compilation_cache:
-            enable_compilation_cache()
+        apply_system_flags()
         runner = Runner()
         runner.interactive() if FLAGS.interactive else runner.one_shot()
     except MiniCPMError as e:

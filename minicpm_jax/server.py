@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model_flags import (
-    enable_compilation_cache, fail, load_from_flags, sparse_description, validate_model_flags, weights_description,
+    apply_system_flags, fail, load_from_flags, sparse_description, validate_model_flags, weights_description,
 )
 
 FLAGS = flags.FLAGS
@@ -362,8 +362,7 @@ def _serve() -> None:
             raise MiniCPMError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
     if FLAGS.max_queue < 0 or not 0 < FLAGS.port < 65536:
         raise MiniCPMError("--max_queue must be >= 0 and --port in 1..65535")
-    if FLAGS.compilation_cache:
-        enable_compilation_cache()
+    apply_system_flags()
     model_path, model, tokenizer, load_s = load_from_flags(progress=True)
     engine = Engine(model, batch_size=FLAGS.max_batch_size, chunk_length=FLAGS.chunk_length,
                     decode_block=FLAGS.decode_block)

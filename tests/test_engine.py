@@ -164,3 +164,16 @@ def test_static_sampling_kinds_draw_what_auto_draws():
         np.testing.assert_array_equal(np.asarray(sample(*args, kind)), np.asarray(sample(*args)))
     with pytest.raises(ValueError, match="sampling kind"):
         sample(*args, "nucleus")
+
+
+def test_command_buffer_flag_is_added_once_and_never_overrides_the_user(monkeypatch):
+    import os
+
+    from minicpm_jax.gpu_setup import COMMAND_BUFFER_FLAG, enable_command_buffers
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    assert enable_command_buffers() is True
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x " + COMMAND_BUFFER_FLAG
+    assert enable_command_buffers() is False
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+    assert enable_command_buffers() is False and os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer="
