@@ -60,7 +60,9 @@ class Int4Config:
 GEMV_CONFIG = Int4Config(block_m=1, block_n=128, block_k=128, num_warps=4, num_stages=2)
 DOT_CONFIGS = {
     16: Int4Config(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=3),
-    32: Int4Config(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=3),
+    # 17..32 rows run in the 64-row tile (padded): 229 µs for the four MiniCPM4-8B linears at M=32, bf16
+    # GEMM parity, vs 297 µs with 32-row tiles (H100 sweep of 22 configs, BENCHMARKS.md 2026-11-23).
+    32: Int4Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
     64: Int4Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
     128: Int4Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
 }
