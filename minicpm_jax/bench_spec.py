@@ -18,7 +18,6 @@ import dataclasses
 import statistics
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -128,6 +128,18 @@ def sparse_description(model) -> str:
     return text if model.sparse_active else f"{text}, inactive: max_length {model.max_length} < dense_len"
 
 
+def speculative_description(engine) -> str:
+    """``"off"`` or e.g. ``"minicpm EAGLE draft, tree 12 (2 steps x top-10), window 1024, FR-Spec 32768"``."""
+    spec = getattr(engine, "spec", None)
+    if spec is None:
+        return "off"
+    ids = getattr(engine, "ids", None)
+    vocab = ("own vocabulary " + str(engine.draft.spec.draft_vocab) if engine.draft.own_head else
+             f"FR-Spec {ids.shape[0]}" if ids is not None else "full vocabulary")
+    return (f"{engine.draft.spec.kind} EAGLE draft, tree {spec.tree_size} ({spec.num_iter} steps x top-"
+            f"{spec.topk_per_iter}), window {spec.window_size or 'all'}, {vocab}")
+
+
 def load_from_flags(*, progress: bool = True):
     """Loads what the model flags name: returns (model_path, model, tokenizer, load seconds).
 

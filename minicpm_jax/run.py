@@ -25,8 +25,8 @@ from absl import app, flags
 
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model_flags import (
-    apply_system_flags, fail, load_from_flags, make_engine, sparse_description, validate_model_flags,
-    weights_description,
+    apply_system_flags, fail, load_from_flags, make_engine, sparse_description, speculative_description,
+    validate_model_flags, weights_description,
 )
 from minicpm_jax.tokenizer import TextStream
 
@@ -178,6 +178,7 @@ class Runner:
                 "attention_impl": self.engine.model.attention_impl,
                 "weights": weights_description(self.engine.model),
                 "sparse": sparse_description(self.engine.model),
+                "speculative": speculative_description(self.engine),
                 "stats": stats.as_dict(),
             }))
             return

@@ -237,6 +237,35 @@ def _decode_kernel(len_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
 
 
+def group_rows(x: jax.Array, kv_heads: int) -> tuple[jax.Array, int]:
+    """``[B, T, H, ...]`` → ``[B, KVH, R_pad, ...]``: the rows of each KV group, token major and query head
+    minor (R = T·H/KVH), zero-padded to a power of 2 ≥ 16 (Triton's smallest dot). Returns (rows, R)."""
+    b, t, h = x.shape[:3]
+    group = h // kv_heads
+    rows = t * group
+    out = x.reshape(b, t, kv_heads, group, *x.shape[3:]).swapaxes(1, 2).reshape(b, kv_heads, rows, *x.shape[3:])
+    pad = max(_MIN_DECODE_ROWS, next_power_of_2(rows)) - rows
+    return (jnp.pad(out, ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 3)) if pad else out), rows
+
+
+def ungroup_rows(out: jax.Array, t: int, h: int) -> jax.Array:
+    """Inverse of :func:`group_rows` for ``[B, KVH, R_pad, D]`` → ``[B, T, H, D]``."""
+    b, kvh, _, d = out.shape
+    group = h // kvh
+    return out[:, :, : t * group].reshape(b, kvh, t, group, d).swapaxes(1, 2).reshape(b, t, h, d)
+
+
+def split_outputs(b: int, kv_heads: int, splits: int, rows_pad: int, block_m: int, d: int, dtype):
+    """``pallas_call`` out_specs and out_shape of flash-decoding kernels on grid (batch, KV head, split,
+    row block): per split o ``[B, KVH, NS, R, D]`` (bf16 for bf16 inputs, else fp32) and lse fp32
+    ``[B, KVH, NS, R]``."""
+    specs = [pl.BlockSpec((None, None, None, block_m, d), lambda i, j, sp, m: (i, j, sp, m, 0)),
+             pl.BlockSpec((None, None, None, block_m), lambda i, j, sp, m: (i, j, sp, m))]
+    shapes = [jax.ShapeDtypeStruct((b, kv_heads, splits, rows_pad, d), jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32),
+              jax.ShapeDtypeStruct((b, kv_heads, splits, rows_pad), jnp.float32)]
+    return specs, shapes
+
+
 def decode_splits(batch: int, kv_heads: int, row_blocks: int, max_length: int, block_k: int) -> int:
     """How many programs share one sequence's keys: enough to give every SM two programs, but no split
     shorter than ``max(_MIN_SPLIT_KEYS, block_k)`` keys of the buffer."""
@@ -256,11 +285,7 @@ def decode_attention(
     """
     o, lse = decode_attention_splits(q, k, v, q_positions, kv_lengths, scale=scale, layer=layer, config=config,
                                      num_splits=num_splits, interpret=interpret)
-    b, t, h, d = q.shape
-    kvh = k.shape[-3]
-    rows = t * (h // kvh)
-    out = merge_splits(o, lse)[:, :, :rows]
-    return out.reshape(b, kvh, t, h // kvh, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d).astype(q.dtype)
+    return ungroup_rows(merge_splits(o, lse), q.shape[1], q.shape[2]).astype(q.dtype)
 
 
 def decode_attention_splits(
@@ -282,39 +307,28 @@ def decode_attention_splits(
     if t > MAX_DECODE_QUERIES:
         raise ValueError(f"decode_attention takes at most {MAX_DECODE_QUERIES} query tokens, got {t}")
     kvh, s = k.shape[2], k.shape[3]
-    group = h // kvh
     cfg = config or tuned_config("decode", d)
-    # Rows of a KV group: query token major, head minor; padded to a power of two.
-    rows = t * group
-    rows_pad = max(_MIN_DECODE_ROWS, next_power_of_2(rows))
+    qr, _ = group_rows(q, kvh)
+    row_pos, _ = group_rows(jnp.broadcast_to(q_positions.astype(jnp.int32)[:, :, None], (b, t, h)), kvh)
+    rows_pad = qr.shape[2]
     block_m = min(cfg.block_q, rows_pad)
     n_m = rows_pad // block_m
-    qr = q.reshape(b, t, kvh, group, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, rows, d)
-    row_pos = jnp.repeat(q_positions.astype(jnp.int32), group, axis=1)
-    if rows_pad != rows:
-        qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
-        row_pos = jnp.pad(row_pos, ((0, 0), (0, rows_pad - rows)), mode="edge")
     block_k = _key_block(cfg.block_k, s)
     n_split = num_splits or decode_splits(b, kvh, n_m, s, block_k)
     kernel = functools.partial(_decode_kernel, qk_scale=scale * _LOG2E, block_k=block_k, num_splits=n_split)
+    out_specs, out_shape = split_outputs(b, kvh, n_split, rows_pad, block_m, d, q.dtype)
     return pl.pallas_call(
         kernel,
         grid=(b, kvh, n_split, n_m),
         in_specs=[
             pl.BlockSpec((b,), lambda i, j, sp, m: (0,)),
             pl.BlockSpec((None, None, block_m, d), lambda i, j, sp, m: (i, j, m, 0)),
-            pl.BlockSpec((None, block_m), lambda i, j, sp, m: (i, m)),
+            pl.BlockSpec((None, None, block_m), lambda i, j, sp, m: (i, j, m)),
             pl.BlockSpec((None, None, None, s, d), lambda i, j, sp, m: (layer, i, j, 0, 0)),
             pl.BlockSpec((None, None, None, s, d), lambda i, j, sp, m: (layer, i, j, 0, 0)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, block_m, d), lambda i, j, sp, m: (i, j, sp, m, 0)),
-            pl.BlockSpec((None, None, None, block_m), lambda i, j, sp, m: (i, j, sp, m)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, kvh, n_split, rows_pad, d), jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32),
-            jax.ShapeDtypeStruct((b, kvh, n_split, rows_pad), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         name="minicpm_decode_attention",
         **launch_options(cfg, interpret),
     )(kv_lengths.astype(jnp.int32), qr, row_pos, k, v)

@@ -35,13 +35,15 @@ from jax.experimental import pallas as pl
 from pallas_kernels.attention import (
     _LOG2E,
     _MASKED,
-    _MIN_DECODE_ROWS,
     _attend_block,
     _check_shapes,
     _key_block,
     _layer_view,
     decode_splits,
+    group_rows,
     merge_splits,
+    split_outputs,
+    ungroup_rows,
 )
 from pallas_kernels.backend import KernelConfig, launch_options, next_power_of_2, tuned_config
 
@@ -139,47 +141,38 @@ def tree_attention(
     if tree_mask.shape != (b, n, m):
         raise ValueError(f"tree_mask must be [{b}, {n}, tree keys], got {tree_mask.shape}")
     kvh, s = k.shape[2], k.shape[3]
-    group = h // kvh
     tree_keys = max(16, next_power_of_2(m))
     if s < tree_keys:
         raise ValueError(f"tree_attention needs a cache of at least {tree_keys} slots for {m} tree keys, got {s}")
     cfg = config or tuned_config("decode", d)
-    rows = n * group
-    rows_pad = max(_MIN_DECODE_ROWS, next_power_of_2(rows))
+    qr, _ = group_rows(q, kvh)
+    words = tree_mask_words(tree_mask)  # [B, N, 2], the same for every head of a node
+    lo_word, _ = group_rows(jnp.broadcast_to(words[:, :, None, 0], (b, n, h)), kvh)
+    hi_word, _ = group_rows(jnp.broadcast_to(words[:, :, None, 1], (b, n, h)), kvh)
+    rows_pad = qr.shape[2]
     block_m = min(cfg.block_q, rows_pad)
     n_m = rows_pad // block_m
-    qr = q.reshape(b, n, kvh, group, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, rows, d)
-    words = jnp.repeat(tree_mask_words(tree_mask), group, axis=1)  # [B, rows, 2]
-    if rows_pad != rows:
-        qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
-        words = jnp.pad(words, ((0, 0), (0, rows_pad - rows), (0, 0)))
-    lo_word, hi_word = words[..., 0], words[..., 1]
     block_k = _key_block(cfg.block_k, s)
     n_prefix = num_splits or decode_splits(b, kvh, n_m, s, block_k)
     kernel = functools.partial(_tree_kernel, qk_scale=scale * _LOG2E, block_k=block_k, num_prefix_splits=n_prefix,
                                tree_keys=tree_keys, tree_size=m, window=window)
     n_split = n_prefix + 1
+    out_specs, out_shape = split_outputs(b, kvh, n_split, rows_pad, block_m, d, q.dtype)
+    row_spec = pl.BlockSpec((None, None, block_m), lambda i, j, sp, m: (i, j, m))
     o, lse = pl.pallas_call(
         kernel,
         grid=(b, kvh, n_split, n_m),
         in_specs=[
             pl.BlockSpec((b,), lambda i, j, sp, m: (0,)),
             pl.BlockSpec((None, None, block_m, d), lambda i, j, sp, m: (i, j, m, 0)),
-            pl.BlockSpec((None, block_m), lambda i, j, sp, m: (i, m)),
-            pl.BlockSpec((None, block_m), lambda i, j, sp, m: (i, m)),
+            row_spec,
+            row_spec,
             pl.BlockSpec((None, None, None, s, d), lambda i, j, sp, m: (layer, i, j, 0, 0)),
             pl.BlockSpec((None, None, None, s, d), lambda i, j, sp, m: (layer, i, j, 0, 0)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, block_m, d), lambda i, j, sp, m: (i, j, sp, m, 0)),
-            pl.BlockSpec((None, None, None, block_m), lambda i, j, sp, m: (i, j, sp, m)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, kvh, n_split, rows_pad, d), jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32),
-            jax.ShapeDtypeStruct((b, kvh, n_split, rows_pad), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         name="minicpm_tree_attention",
         **launch_options(cfg, interpret),
     )(prefix_lengths.astype(jnp.int32), qr, lo_word, hi_word, k, v)
-    out = merge_splits(o, lse)[:, :, :rows]
-    return out.reshape(b, kvh, n, group, d).transpose(0, 2, 1, 3, 4).reshape(b, n, h, d).astype(q.dtype)
+    return ungroup_rows(merge_splits(o, lse), n, h).astype(q.dtype)

@@ -176,6 +176,8 @@ def test_speculative_run_with_a_random_draft_gives_the_plain_greedy_text(smollm2
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
     plain_out, spec_out = json.loads(plain.stdout), json.loads(spec.stdout)
     assert spec_out["text"] == plain_out["text"] and "Paris" in spec_out["text"]
+    assert plain_out["speculative"] == "off"
+    assert spec_out["speculative"] == "llama EAGLE draft, tree 16 (3 steps x top-10), window 1024, full vocabulary"
     assert spec_out["stats"]["spec_rounds"] >= 1 and spec_out["stats"]["mean_accept_length"] >= 1.0
     assert len(spec_out["stats"]["depth_acceptance"]) == 3
 
