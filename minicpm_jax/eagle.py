@@ -43,7 +43,8 @@ from minicpm_jax.attention import Attention, TreeInputs
 from minicpm_jax.cache import KVCache
 from minicpm_jax.config import ModelConfig, read_config_json
 from minicpm_jax.errors import MiniCPMError
-from minicpm_jax.layers import MLP, Linear, RMSNorm
+from minicpm_jax.layers import MLP, Linear, RMSNorm, make_linear
+from minicpm_jax.quant import CheckpointQuant, QuantSpec, parse_quantization_config, read_quantize_config
 
 DRAFT_KINDS = ("minicpm", "llama", "eagle3")
 
@@ -94,17 +95,20 @@ class EagleDraft(nnx.Module):
       max_length: the target's cache length (RoPE factors follow it, as in the target).
       attention_impl: ``xla`` or ``pallas`` (the draft's tree attention).
       rngs: random initialisation (tests, benchmarks); None gives zeros, to be loaded.
+      quant: int4 ``fc`` and layer linears (CPM.cu's quantized drafts); norms and an EAGLE-3 head stay dense.
     """
 
     def __init__(self, spec: DraftSpec, *, max_length: int, attention_impl: str, dtype=jnp.float32,
-                 rngs: nnx.Rngs | None = None):
+                 rngs: nnx.Rngs | None = None, quant: QuantSpec | None = None):
         cfg = spec.layer
         h = cfg.hidden_size
         self.spec = spec
         self.dtype = jnp.dtype(dtype)
         eps = cfg.rms_norm_eps
         eagle3 = spec.kind == "eagle3"
-        self.fc = Linear(spec.feature_size + (0 if eagle3 else h), h, rngs=rngs, dtype=dtype)
+        self.quant = quant
+        linear = dict(impl=attention_impl, rngs=rngs, dtype=dtype)
+        self.fc = make_linear(spec.feature_size + (0 if eagle3 else h), h, quant, **linear)
         if eagle3:
             self.input_layernorm = RMSNorm(h, eps, dtype=dtype)
             self.hidden_norm = RMSNorm(h, eps, dtype=dtype)
@@ -118,9 +122,9 @@ class EagleDraft(nnx.Module):
             self.input_norm2 = RMSNorm(h, eps, dtype=dtype)
             self.input_layernorm = RMSNorm(h, eps, dtype=dtype)
         self.self_attn = Attention(cfg, 0, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype,
-                                   in_features=2 * h if eagle3 else h)
+                                   quant=quant, in_features=2 * h if eagle3 else h)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype=dtype)
-        self.mlp = MLP(h, cfg.intermediate_size, rngs=rngs, dtype=dtype, quant=None, impl=attention_impl)
+        self.mlp = MLP(h, cfg.intermediate_size, rngs=rngs, dtype=dtype, quant=quant, impl=attention_impl)
 
     @property
     def own_head(self) -> bool:
@@ -211,7 +215,7 @@ def from_vllm_names(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarra
     ``model.eagle_layers.0.*``, ``model.embed_tokens``, ``lm_head``) to CPM.cu's names; returns (tensors,
     whether it was vLLM's). The copies of the target's embedding and lm_head are dropped (the target's
     own are used); drafts of more than one layer are refused."""
-    if not any(n.startswith("model.eagle_layers.") or n == "model.fc.weight" for n in tensors):
+    if not any(n.startswith(("model.eagle_layers.", "model.fc.")) for n in tensors):
         return tensors, False
     layers = {n.split(".")[2] for n in tensors if n.startswith("model.eagle_layers.")}
     if layers - {"0"}:
@@ -236,8 +240,8 @@ def to_vllm_names(tensors: dict[str, np.ndarray], embed: np.ndarray, lm_head: np
 def draft_kind_of(names: set[str]) -> str:
     """``minicpm``, ``llama`` or ``eagle3`` from a draft checkpoint's tensor names (CPM.cu / SafeAILab
     names, after :func:`from_vllm_names`); a clear error for other checkpoints."""
-    if "fc.weight" not in names:
-        raise MiniCPMError("not an EAGLE draft checkpoint: it has no fc.weight tensor")
+    if "fc.weight" not in names and "fc.qweight" not in names:
+        raise MiniCPMError("not an EAGLE draft checkpoint: it has no fc.weight (or int4 fc.qweight) tensor")
     if any(n.startswith("midlayer.") for n in names) or "d2t" in names:
         return "eagle3"
     return "minicpm" if "input_norm1.weight" in names else "llama"
@@ -288,6 +292,44 @@ def _checkpoint_layout(spec: DraftSpec, names: set[str]) -> list[tuple[tuple, tu
     return out
 
 
+def _int4_sources(spec: DraftSpec, names: set[str]):
+    """The checkpoint linears behind each int4 linear of a quantized draft (``fc`` and the layer's)."""
+    from minicpm_jax.weights_int4 import Int4Source, linear_shapes
+
+    cfg, pre = spec.layer, _layer_prefix(spec.kind)
+    h = cfg.hidden_size
+    out = [Int4Source(("fc",), ("fc",), (h,), spec.feature_size + (0 if spec.kind == "eagle3" else h))]
+    for (module, linear), (k, parts) in linear_shapes(cfg).items():
+        if module == "self_attn" and linear == "qkv_proj" and spec.kind == "eagle3":
+            k = 2 * h
+        fused = f"{pre}{module}.{linear}"
+        if len(parts) > 1 and fused + ".qweight" in names:
+            prefixes, widths = (fused,), (sum(n for _, n in parts),)
+        else:
+            prefixes, widths = tuple(f"{pre}{module}.{n}" for n, _ in parts), tuple(n for _, n in parts)
+        out.append(Int4Source((module, linear), prefixes, widths, k))
+    return out
+
+
+def _draft_quant(path: str, raw: dict, tensors: dict[str, np.ndarray], spec: DraftSpec) -> CheckpointQuant | None:
+    """The int4 settings of a quantized draft (``quantization_config`` in its config.json or
+    ``quantize_config.json``; Marlin packing recognised from the ``fc.qweight`` shape, as CPM.cu's
+    converter keeps the GPTQ config), or None when it is dense."""
+    if not any(n.endswith(".qweight") for n in tensors):
+        return None
+    settings = raw.get("quantization_config") or read_quantize_config(path)
+    if settings is None:
+        raise MiniCPMError(f"draft {path!r} holds *.qweight tensors but no quantization_config or quantize_config.json")
+    ck = parse_quantization_config(settings)
+    fc = _int4_sources(spec, set(tensors))[0]
+    if ck.checkpoint_format != "marlin" and "fc.qweight" in tensors and \
+            tuple(tensors["fc.qweight"].shape) == (fc.in_features // 16, 2 * fc.widths[0]):
+        if not ck.spec.sym or ck.spec.act_order:
+            raise MiniCPMError("fc.qweight is Marlin-packed, but the config says sym=false or desc_act=true")
+        ck = CheckpointQuant(ck.spec, "marlin")
+    return ck
+
+
 def load_draft(path: str, target: ModelConfig, *, max_length: int, attention_impl: str, dtype) -> EagleDraft:
     """Loads an EAGLE draft directory (tensors plus an optional ``config.json``) for ``target``.
 
@@ -324,13 +366,24 @@ def load_draft(path: str, target: ModelConfig, *, max_length: int, attention_imp
         scale_depth = raw.get("scale_depth", target.scale_depth)
         spec = dataclasses.replace(spec, residual_scale=scale_depth / math.sqrt(raw["mup_denominator"]))
     layout = _checkpoint_layout(spec, names)
+    ck = _draft_quant(path, raw, tensors, spec)
+    int4_sources = _int4_sources(spec, names) if ck is not None else []
+    if ck is not None:  # the quantized linears come from their int4 tensors, not from dense weights
+        quantized = {src.path + ("kernel",) for src in int4_sources}
+        layout = [entry for entry in layout if entry[0] not in quantized]
     want = {n: shape for _, ns, shapes in layout for n, shape in zip(ns, shapes)}
     optional = {"fc.bias", "embed_tokens.weight", "t2d"}  # the embedding is the target's; t2d is implied by d2t
     problems = [f"missing tensor {n} (expected shape {list(sh)})" for n, sh in want.items()
                 if n not in names and n != "fc.bias"]
     problems += [f"tensor {n} has shape {list(tensors[n].shape)}, expected {list(sh)}"
                  for n, sh in want.items() if n in names and tuple(tensors[n].shape) != sh]
-    problems += [f"unexpected tensor {n}" for n in sorted(names - set(want) - optional)
+    used = set()
+    if ck is not None:
+        from minicpm_jax.weights_int4 import check_int4_tensors
+
+        int4_problems, used = check_int4_tensors(int4_sources, ck, lambda n: tuple(tensors[n].shape), names)
+        problems += int4_problems
+    problems += [f"unexpected tensor {n}" for n in sorted(names - set(want) - optional - used)
                  if not n.endswith("rotary_emb.inv_freq")]
     if kind == "eagle3" and "d2t" in names and not problems:
         mapped = np.arange(spec.draft_vocab) + tensors["d2t"].astype(np.int64)
@@ -349,8 +402,17 @@ def load_draft(path: str, target: ModelConfig, *, max_length: int, attention_imp
             return jnp.asarray(np.concatenate([p.T for p in parts], axis=1), dtype)
         return jnp.asarray(parts[0], dtype)
 
-    draft = nnx.eval_shape(lambda: EagleDraft(spec, max_length=max_length, attention_impl=attention_impl, dtype=dtype))
+    quant = None if ck is None else ck.spec
+    draft = nnx.eval_shape(lambda: EagleDraft(spec, max_length=max_length, attention_impl=attention_impl, dtype=dtype,
+                                              quant=quant))
     values = {param: value(param, ns) for param, ns, _ in layout}
+    if ck is not None:
+        from minicpm_jax.weights_int4 import engine_arrays, read_int4_linear
+
+        for src in int4_sources:
+            w = read_int4_linear(src, ck, tensors.get)
+            for key, array in engine_arrays(w, quant, dtype).items():
+                values[src.path + (key,)] = jnp.asarray(array)
     graphdef, state = nnx.split(draft)
     flat = dict(nnx.to_flat_state(state))
     for key, var in flat.items():
@@ -367,6 +429,8 @@ def save_draft(draft: EagleDraft, path: str) -> None:
 
     if os.path.exists(path):
         raise MiniCPMError(f"{path!r} already exists")
+    if draft.quant is not None:
+        raise MiniCPMError("save_draft writes dense drafts; an int4 draft is kept in its GPTQ / marlin checkpoint")
     spec = draft.spec
     cfg = spec.layer
     flat = {k: np.asarray(v[...]).astype(np.int64 if k == ("d2t",) else np.float32)

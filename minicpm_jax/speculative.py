@@ -363,6 +363,10 @@ class SpeculativeEngine(Engine):
         if frspec_ids is not None and draft.own_head:
             raise MiniCPMError("FR-Spec applies to drafts that use the target's lm_head; an EAGLE-3 draft has its own "
                                "reduced vocabulary (drop --frspec_path)")
+        draft_vocab = (len(frspec_ids) if frspec_ids is not None else
+                       draft.spec.draft_vocab if draft.own_head else model.config.vocab_size)
+        if spec.topk_per_iter > draft_vocab:
+            raise MiniCPMError(f"spec_topk_per_iter {spec.topk_per_iter} exceeds the draft's vocabulary of {draft_vocab} ids")
         if self.max_length < 16:
             raise MiniCPMError(f"speculative decoding needs max_length >= 16, got {self.max_length}")
         self.draft = draft

@@ -1,5 +1,6 @@
 """EAGLE speculative decoding: tree-attention kernel vs reference vs NumPy, lossless greedy and sampled
-decoding against plain decoding, KV compaction, FR-Spec, draft checkpoints."""
+decoding against plain decoding, KV compaction, FR-Spec, EAGLE-3 and int4 drafts, draft checkpoints and
+converters."""
 
 import pickle
 import zipfile
@@ -159,6 +160,8 @@ def test_eagle3_greedy_speculative_equals_plain_greedy(pair, plain_greedy, eagle
     assert stats.spec_summary()["mean_accept_length"] > 1.0  # a random draft is sometimes right
     with pytest.raises(MiniCPMError, match="FR-Spec"):
         SpeculativeEngine(model, eagle3_draft, frspec_ids=np.arange(8))
+    with pytest.raises(MiniCPMError, match="exceeds the draft's vocabulary of 16"):
+        SpeculativeEngine(model, eagle3_draft, spec=SpecConfig(num_iter=2, topk_per_iter=20, tree_size=12))
 
 
 def test_captured_features_are_the_residual_stream_entering_each_layer(pair):
@@ -449,3 +452,59 @@ def test_tree_kernel_lowers_for_cuda_without_a_gpu(n, m, window):
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text and "minicpm_tree_attention" in text
+
+
+def test_int4_gptq_draft_equals_its_dequantized_dense_draft(pair, plain_greedy, tmp_path):
+    """A GPTQ (group 32, symmetric) quantized draft — fc and every layer linear int4, as CPM.cu's
+    quantized drafts — computes what the dense draft of its dequantized weights computes, and keeps the
+    greedy output."""
+    import dataclasses
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file as load_tensors, save_file
+    from minicpm_jax.int4 import gptq_pack, rtn_quantize
+
+    model, draft = pair
+    save_draft(draft, str(tmp_path / "dense"))
+    tensors = load_tensors(str(tmp_path / "dense" / "model.safetensors"))
+    quantized, dequantized = {}, {}
+    for name, value in tensors.items():
+        if value.ndim == 2:  # a linear [out, in]
+            w = rtn_quantize(np.ascontiguousarray(value.T), group_size=32)
+            w = dataclasses.replace(w, scales=w.scales.astype(np.float16).astype(np.float32))  # as stored
+            quantized.update({f"{name[: -len('.weight')]}.{k}": np.ascontiguousarray(v) for k, v in gptq_pack(w).items()})
+            dequantized[name] = np.ascontiguousarray(w.dequantize().T)
+        else:
+            quantized[name] = dequantized[name] = value
+    for sub, ts in (("int4", quantized), ("deq", dequantized)):
+        (tmp_path / sub).mkdir()
+        save_file(ts, str(tmp_path / sub / "model.safetensors"))
+        shutil.copy(tmp_path / "dense" / "config.json", tmp_path / sub / "config.json")
+    (tmp_path / "int4" / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 32, "sym": True,
+                                                                         "desc_act": False}))
+    load = lambda sub: load_draft(str(tmp_path / sub), model.config, max_length=MAX_LEN,  # noqa: E731
+                                  attention_impl="xla", dtype=jnp.float32)
+    int4_draft, deq_draft = load("int4"), load("deq")
+    assert int4_draft.quant is not None and int4_draft.quant.group_size == 32
+    assert type(int4_draft.fc).__name__ == "Int4Linear" and type(int4_draft.mlp.down_proj).__name__ == "Int4Linear"
+    rng = np.random.default_rng(0)
+    emb = jnp.asarray(rng.standard_normal((1, 6, 64)), jnp.float32)
+    feat = jnp.asarray(rng.standard_normal((1, 6, 64)), jnp.float32)
+    args = (emb, feat, jnp.arange(6)[None], jnp.ones((1, 6), bool))
+    h_int4, _ = int4_draft(*args, int4_draft.new_cache(1, 32))
+    h_deq, _ = deq_draft(*args, deq_draft.new_cache(1, 32))
+    np.testing.assert_allclose(np.asarray(h_int4), np.asarray(h_deq), rtol=1e-4, atol=1e-4)
+    engine = SpeculativeEngine(model, int4_draft, spec=SpecConfig(num_iter=3, topk_per_iter=4, tree_size=16),
+                               batch_size=2, chunk_length=16)
+    out, _ = engine.generate(PROMPTS, max_new_tokens=30)
+    assert [r.token_ids for r in out] == plain_greedy
+    del quantized["layers.0.mlp.up_proj.scales"]
+    save_file(quantized, str(tmp_path / "int4" / "model.safetensors"))
+    with pytest.raises(MiniCPMError, match="missing tensor layers.0.mlp.up_proj.scales"):
+        load("int4")
+    (tmp_path / "int4" / "quantize_config.json").unlink()
+    with pytest.raises(MiniCPMError, match="no quantization_config"):
+        load("int4")
+    with pytest.raises(MiniCPMError, match="dense drafts"):
+        save_draft(int4_draft, str(tmp_path / "again"))
