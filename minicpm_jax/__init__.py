@@ -14,16 +14,20 @@ Quick use::
 
 from minicpm_jax.cache import KVCache
 from minicpm_jax.config import ModelConfig, RopeConfig, SparseConfig
+from minicpm_jax.eagle import DraftSpec, EagleDraft, load_draft, read_frspec
 from minicpm_jax.engine import Engine, GenerationResult, GenerationStats
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model import MiniCPMForCausalLM
 from minicpm_jax.sampling import SamplingParams
+from minicpm_jax.speculative import SpecConfig, SpeculativeEngine
 from minicpm_jax.tokenizer import StreamDecoder, encode_prompt, load_tokenizer, stop_token_ids
 from minicpm_jax.weights import load_model
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DraftSpec",
+    "EagleDraft",
     "Engine",
     "GenerationResult",
     "GenerationStats",
@@ -34,9 +38,13 @@ __all__ = [
     "RopeConfig",
     "SamplingParams",
     "SparseConfig",
+    "SpecConfig",
+    "SpeculativeEngine",
     "StreamDecoder",
     "encode_prompt",
+    "load_draft",
     "load_model",
     "load_tokenizer",
+    "read_frspec",
     "stop_token_ids",
 ]
