@@ -63,6 +63,7 @@ from minicpm_jax.bench_int4 import bench_int4, int4_markdown, linear_shapes
 from minicpm_jax.model import MiniCPMForCausalLM
 from minicpm_jax.quant import QuantSpec
 from pallas_kernels.attention import attention_reference, decode_attention, decode_attention_splits, prefill_attention
+from pallas_kernels.int4_matmul import KERNELS as INT4_KERNELS
 from pallas_kernels.timing import device_loop_time
 
 SHAPES = {
@@ -97,6 +98,8 @@ flags.DEFINE_list("quants", ["none"], "e2e: weight formats to run (none = dense 
 flags.DEFINE_integer("quant_group_size", 128, "e2e and int4: int4 scale group size.")
 flags.DEFINE_list("int4_ms", ["1", "16", "64"], "int4: activation rows (1 = decode GEMV; 16/64 = tree verify, batches).")
 flags.DEFINE_list("int4_layouts", ["kpacked", "marlin"], "int4: weight layouts to time.")
+flags.DEFINE_list("int4_kernels", ["auto"], "int4: kernels to time (auto = what the model runs; tile, planes, "
+                  "planes_t = pallas_kernels.int4_matmul.KERNELS; the plane kernels read kpacked only).")
 flags.DEFINE_list("sparse_modes", ["off"], "e2e: InfLLM-v2 modes to run (off = dense attention, on = the checkpoint's "
                   "or MiniCPM4's sparse_config), one row each.")
 flags.DEFINE_list("sparse_prefill_contexts", ["32768", "65536", "131072"], "sparse: prompt lengths.")
@@ -600,6 +603,10 @@ def _main():
     bad_layout = set(FLAGS.int4_layouts) - {"kpacked", "marlin"}
     if bad_layout:
         raise MiniCPMError(f"--int4_layouts: unknown {', '.join(sorted(bad_layout))} (choose from kpacked, marlin)")
+    bad_kernel = set(FLAGS.int4_kernels) - {"auto", *INT4_KERNELS}
+    if bad_kernel:
+        raise MiniCPMError(f"--int4_kernels: unknown {', '.join(sorted(bad_kernel))} (choose from auto, "
+                           f"{', '.join(INT4_KERNELS)})")
     bad_sparse = set(FLAGS.sparse_modes) - {"off", "on", "auto"}
     if bad_sparse:
         raise MiniCPMError(f"--sparse_modes: unknown {', '.join(sorted(bad_sparse))} (choose from off, on, auto)")
@@ -631,7 +638,7 @@ def _main():
     if "int4" in FLAGS.scenarios:
         config = ModelConfig.from_dict(SHAPES[FLAGS.shape])
         result["int4"] = bench_int4(config, _int_list("int4_ms", FLAGS.int4_ms), FLAGS.int4_layouts,
-                                    quant_spec.group_size, FLAGS.repeats)
+                                    quant_spec.group_size, FLAGS.repeats, kernels=tuple(FLAGS.int4_kernels))
         tables.append(int4_markdown(result["int4"], bandwidth))
     if "sparse" in FLAGS.scenarios:
         config = ModelConfig.from_dict(SHAPES[FLAGS.shape])

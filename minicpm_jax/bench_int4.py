@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minicpm_jax.config import ModelConfig
-from pallas_kernels.int4_matmul import Int4Config, choose_config, int4_matmul, int4_matmul_reference
+from pallas_kernels.int4_matmul import Int4Config, choose_config, default_kernel, int4_matmul, int4_matmul_reference
 from pallas_kernels.timing import device_loop_time
 
 L2_BYTES = 50 * 1024**2
@@ -46,8 +46,12 @@ def _random_int4(key, k: int, n: int, group_size: int, layout: str, copies: int)
 
 
 def bench_linear(k: int, n: int, m: int, group_size: int, layouts: list[str], repeats: int,
-                 configs: dict[str, Int4Config | None] | None = None) -> dict:
-    """Seconds per ``[m, k] @ [k, n]`` call for bf16 ``jnp.dot`` and the int4 kernel in each layout."""
+                 configs: dict[str, Int4Config | None] | None = None, kernels: tuple[str, ...] = ("auto",)) -> dict:
+    """Seconds per ``[m, k] @ [k, n]`` call for bf16 ``jnp.dot`` and the int4 kernel in each layout.
+
+    kernels: "auto" (the kernel ``int4_matmul`` picks, column ``int4_<layout>``) and/or named kernels of
+    ``pallas_kernels.int4_matmul.KERNELS`` (columns ``int4_<layout>_<kernel>``; the plane kernels only
+    for kpacked)."""
     int4_bytes = k * n // 2 + (k // group_size) * n * 2
     smoke = jax.default_backend() == "cpu"  # interpret-mode kernels: a few calls prove the harness runs
     copies = 2 if smoke else max(2, min(32, -(-2 * L2_BYTES // int4_bytes)))
@@ -61,11 +65,15 @@ def bench_linear(k: int, n: int, m: int, group_size: int, layouts: list[str], re
     runs = {"bf16": (lambda x_, w_: [jnp.dot(x_, wc) for wc in w_], (x, ws), bf16_copies)}
     for layout in layouts:
         qw, sc = _random_int4(key, k, n, group_size, layout, copies)
-        for name, cfg in (configs or {"": None}).items():
-            def kern(x_, q_, s_, cfg=cfg, layout=layout):
-                return [int4_matmul(x_, qc, scc, group_size=group_size, layout=layout, config=cfg)
-                        for qc, scc in zip(q_, s_)]
-            runs[f"int4_{layout}{name}"] = (kern, (x, qw, sc), copies)
+        for kernel in kernels:
+            if kernel != "auto" and (kernel != "tile" and layout != "kpacked"):
+                continue
+            for name, cfg in (configs or {"": None}).items():
+                def kern(x_, q_, s_, cfg=cfg, layout=layout, kernel=None if kernel == "auto" else kernel):
+                    return [int4_matmul(x_, qc, scc, group_size=group_size, layout=layout, config=cfg, kernel=kernel)
+                            for qc, scc in zip(q_, s_)]
+                suffix = "" if kernel == "auto" else f"_{kernel}"
+                runs[f"int4_{layout}{suffix}{name}"] = (kern, (x, qw, sc), copies)
         if m > 1:
             runs[f"xla_dequant_{layout}"] = (
                 lambda x_, q_, s_, layout=layout: [int4_matmul_reference(x_, qc, scc, group_size=group_size,
@@ -79,19 +87,20 @@ def bench_linear(k: int, n: int, m: int, group_size: int, layouts: list[str], re
         except Exception as e:  # a config Triton cannot compile is reported, not fatal
             out["seconds"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         print(f"    {name} [{m}x{k}]@[{k}x{n}]: {out['seconds'][name]}", file=sys.stderr, flush=True)
-    cfg, splits = choose_config(m, k, n, group_size, "kpacked")
-    out["config"] = dict(dataclasses.asdict(cfg), splits=splits)
+    kernel = default_kernel(m, group_size, "kpacked")
+    cfg, splits = choose_config(m, k, n, group_size, "kpacked", kernel=kernel)
+    out["config"] = dict(dataclasses.asdict(cfg), splits=splits, kernel=kernel)
     return out
 
 
 def bench_int4(config: ModelConfig, ms: list[int], layouts: list[str], group_size: int, repeats: int,
-               configs: dict[str, Int4Config | None] | None = None) -> dict:
+               configs: dict[str, Int4Config | None] | None = None, kernels: tuple[str, ...] = ("auto",)) -> dict:
     """Every linear shape of ``config`` at every ``m`` in ``ms``."""
     rows = []
     for name, (k, n) in linear_shapes(config).items():
         for m in ms:
             print(f"  int4 {name} m={m}", file=sys.stderr, flush=True)
-            rows.append(dict(bench_linear(k, n, m, group_size, layouts, repeats, configs), name=name))
+            rows.append(dict(bench_linear(k, n, m, group_size, layouts, repeats, configs, kernels), name=name))
     return {"group_size": group_size, "rows": rows}
 
 

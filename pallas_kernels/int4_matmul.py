@@ -8,21 +8,30 @@ Weights are unsigned 4-bit codes with per-group scales (and optional zero points
 * ``marlin`` — ``int32 [K/16, 2N]``, 16×64 tiles in mma-fragment order; ``scales``/``zeros`` columns
   in the kernel's tile order (:func:`minicpm_jax.int4.marlin_col_order`).
 
-The kernel unpacks a ``[block_k, block_n]`` tile in registers with shifts and masks (one block of input
-rows always lies inside one scale group), and
+Two kernels (``KERNELS``; :func:`default_kernel` picks one):
 
-* for one activation row (batch-1 decode) multiplies elementwise and reduces over K — a GEMV with the
-  K dimension split over programs (split-K) so even a 4096×4096 matrix fills the GPU; the partial sums
-  are reduced by XLA together with the output permutation;
-* for 2 to ``MAX_KERNEL_ROWS`` rows (batched decode, tree verification) runs ``jnp.dot`` on the
-  dequantized tile with fp32 accumulation, rows padded to a multiple of 16; more rows (prefill chunks)
-  go to the reference (one dequantization, then the XLA GEMM).
+* ``planes`` / ``planes_t`` (kpacked; the default for 1..64 rows): a sub-block of ``8·r`` input rows
+  (inside one scale group) is read as ``[r, block_n]`` words and handled as 8 nibble planes of
+  ``[r, block_n]`` codes, each multiplied by the matching plane of x (x is split into planes outside,
+  ``x[8r + p]`` in plane p). One row (batch-1 decode): elementwise products accumulated in ``[r, block_n]``
+  and reduced over rows once at the end — a GEMV with K split over many programs (split-K), partial sums
+  reduced by XLA. 2..64 rows: 8 tensor-core dots of ``[rows, r] @ [r, block_n]`` per sub-block (``planes``)
+  or their transpose with the codes as the left operand (``planes_t``, faster for 17..64 rows). Nothing is
+  reshaped inside the loop.
+* ``tile`` (both layouts): unpacks a ``[block_k, block_n]`` tile with shifts and masks into code order,
+  then a GEMV (one row) or ``jnp.dot`` on the dequantized tile (2..``MAX_KERNEL_ROWS`` rows, padded to a
+  multiple of 16). Marlin weights, more than 64 rows and 2+ rows with scale groups under 128 run it.
+
+More than ``MAX_KERNEL_ROWS`` rows (prefill chunks) go to the reference: one dequantization, then the XLA
+GEMM.
 
 Scales are applied once per group to the partial sum: ``Σ x·s·(q − z) = s·(Σ x·q − z·Σ x)``.
 
 Shared signature::
 
     f(x, qweight, scales, zeros=None, perm=None, *, group_size, layout="kpacked") -> y
+
+(the Pallas function adds launch overrides: ``config``, ``splits``, ``kernel``, ``interpret``).
 
 x ``[..., K]``; scales/zeros ``[K/group_size, N]``; perm ``int32 [K]`` or None (act-order: ``x[...,
 perm]`` is what multiplies the stored rows); y ``[..., N]`` in x.dtype.
@@ -71,6 +80,36 @@ DOT_CONFIGS = {
 # Above this many rows (prefill chunks) dequantizing the whole weight once and running the XLA (cuBLAS)
 # GEMM beats re-dequantizing every weight tile for each block of rows (BENCHMARKS.md, prefill rows).
 MAX_KERNEL_ROWS = 256
+
+
+KERNELS = ("tile", "planes", "planes_t")
+
+# The nibble-plane kernels for kpacked weights, by rows (H100, MiniCPM4-8B linears, group 128; BENCHMARKS.md
+# 2026-11-23, second session). One row: 10.2 / 44.3 / 25.8 µs for qkv / gate_up / down vs 11.5 / 49.9 / 27.4
+# for the best tile-kernel split; 2..16 rows (planes, scale groups of >= 128 rows): 14.2 / 62.2 / 34.2 vs
+# 20.3 / 91.4 / 51.3; 17..64 rows (planes_t): 18.0 / 79.9 / 40.6 vs 25.8 / 103.9 / 56.7.
+PLANES_CONFIGS = {
+    1: ("planes", Int4Config(block_m=1, block_n=64, block_k=256, num_warps=4, num_stages=2)),
+    16: ("planes", Int4Config(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)),
+    64: ("planes_t", Int4Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)),
+}
+PLANES_MIN_GROUP = 128  # with 2+ rows a plane of one scale group must have >= 16 word rows (the tensor cores' K)
+# K is split over programs until there are about this many per core: the one-row GEMV is bound by loads
+# in flight, and 32 programs per core beat 4 by 10-20% (the same sweep); the dot tiles stay at 4.
+PROGRAMS_PER_CORE = {"gemv": 32, "dot": 4}
+
+
+def _planes_entry(m: int) -> tuple[str, Int4Config]:
+    return PLANES_CONFIGS[1 if m == 1 else 16 if m <= 16 else 64]
+
+
+def default_kernel(m: int, group_size: int, layout: str) -> str:
+    """The kernel :func:`int4_matmul` runs for ``m`` rows, ``group_size`` and ``layout``."""
+    if layout != "kpacked" or m > max(PLANES_CONFIGS):
+        return "tile"
+    if m == 1 or group_size % PLANES_MIN_GROUP == 0:
+        return _planes_entry(m)[0]
+    return "tile"
 
 
 def _shape_kn(qweight: jax.Array, layout: str) -> tuple[int, int]:
@@ -219,6 +258,98 @@ def _kernel(x_ref, w_ref, s_ref, *rest, chunk, chunks, steps, group_size, layout
     o_ref[...] = acc
 
 
+# Per nibble p of a kpacked word: (right shift, exponent e) such that ``(w >> shift) & (0xF << e)`` holds
+# ``q_p·2^e`` with e ≤ 16 (so it fits the float mantissa below); 2^-e is folded into x outside the kernel.
+PLANE_BITS = tuple((max(4 * p - 16, 0), 4 * p - max(4 * p - 16, 0)) for p in range(8))
+
+
+def _planes_x(x2: jax.Array, transpose: bool, dtype) -> jax.Array:
+    """x ``[M, K]`` → nibble planes ``[8, M, K/8]`` (``[8, K/8, M]`` if transpose): plane p, word row r
+    holds ``x[:, 8r + p]·2^-e_p`` (exact: a power of two)."""
+    m, k = x2.shape
+    e = jnp.asarray([e for _, e in PLANE_BITS], jnp.float32)
+    xp = x2.astype(jnp.float32).reshape(m, k // 8, 8) * jnp.exp2(-e)
+    return xp.transpose((2, 1, 0) if transpose else (2, 0, 1)).astype(dtype)
+
+
+def _plane(words: jax.Array, p: int, zero: int) -> jax.Array:
+    """``(q_p − zero)·2^e_p`` as float32 for every word of ``words`` (int32, any shape): the nibble is
+    masked in place and OR-ed into the mantissa of 2²³, then ``2²³ + zero·2^e`` is subtracted (exact), so a
+    code costs an AND, an OR and one add (plus a shift for p > 4)."""
+    shift, e = PLANE_BITS[p]
+    masked = ((words >> shift) if shift else words) & (0xF << e)
+    return lax.bitcast_convert_type(masked | 0x4B000000, jnp.float32) - float(2**23 + zero * 2**e)
+
+
+def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, mode, has_zeros):
+    """kpacked kernel over nibble planes: a chunk of ``8·rows`` input rows (one scale group) is 8 planes
+    of ``[rows, BN]`` codes, each multiplied by its plane of x; nothing is reshaped or reduced across
+    threads inside the loop.
+
+    mode "gemv" (one row): accumulates ``Σ_p q_p·x_p`` elementwise in ``[rows, BN]`` and reduces over rows
+    once at the end. "dot": ``Σ_p x_p [BM, rows] @ q_p [rows, BN]`` on the tensor cores. "dot_t": the
+    transposed product ``q_pᵀ [BN, rows] @ x_p [rows, BM]`` (the codes as the left operand)."""
+    if has_zeros:
+        z_ref, xs_ref, o_ref = rest
+    else:
+        z_ref = xs_ref = None
+        o_ref = rest[0]
+    split = pl.program_id(2)
+    chunk = 8 * rows
+    block_k = chunk * chunks
+    zero = 0 if has_zeros else SYM_ZERO
+    block_n = w_ref.shape[1]
+
+    def plane_product(w, r0, p):
+        q = _plane(w, p, zero)
+        if mode == "gemv":
+            return q * x_ref[p, 0, pl.ds(r0, rows)][:, None]
+        if mode == "dot":
+            xp = x_ref[p, :, pl.ds(r0, rows)]
+            precision = lax.Precision.HIGHEST if xp.dtype == jnp.float32 else None
+            return jnp.dot(xp, q.astype(xp.dtype), preferred_element_type=jnp.float32, precision=precision)
+        xp = x_ref[p, pl.ds(r0, rows), :]
+        precision = lax.Precision.HIGHEST if xp.dtype == jnp.float32 else None
+        return jnp.dot(q.astype(xp.dtype).T, xp, preferred_element_type=jnp.float32, precision=precision)
+
+    def step(i, carry):
+        acc, zacc = carry
+        k0 = (split * steps + i) * block_k
+        r0s = [pl.multiple_of((k0 + j * chunk) // 8, rows) for j in range(chunks)]
+        words = [w_ref[pl.ds(r0, rows), :] for r0 in r0s]  # all loads of the step issued first
+        for j, (r0, w) in enumerate(zip(r0s, words)):
+            t = plane_product(w, r0, 0)
+            for p in range(1, 8):
+                t = t + plane_product(w, r0, p)
+            g = (k0 + j * chunk) // group_size
+            s = s_ref[pl.ds(g, 1), :].astype(jnp.float32)  # [1, BN]
+            if mode == "dot_t":
+                s = s.reshape(block_n, 1)
+            acc = acc + t * s
+            if has_zeros:
+                zs = z_ref[pl.ds(g, 1), :].astype(jnp.float32) * s_ref[pl.ds(g, 1), :].astype(jnp.float32)
+                c = (k0 + j * chunk) // chunk  # x sums are per chunk (a group may span several)
+                if mode == "gemv":
+                    zacc = zacc + zs * xs_ref[0, pl.ds(c, 1)][:, None]
+                elif mode == "dot":
+                    zacc = zacc + zs * xs_ref[:, pl.ds(c, 1)]
+                else:
+                    zacc = zacc + zs.reshape(block_n, 1) * xs_ref[pl.ds(c, 1), :]
+        return acc, zacc
+
+    if mode == "gemv":
+        shapes = (rows, block_n), (1, block_n)
+    elif mode == "dot":
+        shapes = (o_ref.shape[0], block_n), (o_ref.shape[0], block_n)
+    else:
+        shapes = (block_n, o_ref.shape[0]), (block_n, o_ref.shape[0])
+    acc, zacc = lax.fori_loop(0, steps, step, tuple(jnp.zeros(sh, jnp.float32) for sh in shapes))
+    if mode == "gemv":
+        acc = jnp.sum(acc, axis=0, keepdims=True)
+    acc = acc - zacc
+    o_ref[...] = acc.T if mode == "dot_t" else acc
+
+
 def _largest_divisor(n: int, limit: int, multiple_of: int = 1) -> int:
     best = multiple_of
     for d in range(multiple_of, min(n, limit) + 1, multiple_of):
@@ -246,18 +377,26 @@ def _chunk(block_k: int, group_size: int, layout: str) -> int:
 
 
 def choose_config(m: int, k: int, n: int, group_size: int, layout: str,
-                  base: Int4Config | None = None) -> tuple[Int4Config, int]:
+                  base: Int4Config | None = None, kernel: str = "tile",
+                  splits: int | None = None) -> tuple[Int4Config, int]:
     """(launch config, number of K splits) for an ``[m, k] @ [k, n]`` problem; ``base`` (default: the
-    table entry for m) has its block sizes shrunk to divisors of the problem."""
+    table entry of ``kernel`` for m) has its block sizes shrunk to divisors of the problem (of K / splits
+    when ``splits`` is given)."""
+    if base is None and kernel != "tile":
+        base = _planes_entry(m)[1]
     cfg = base or (GEMV_CONFIG if m == 1 else DOT_CONFIGS[min(128, max(16, next_power_of_2(m)))])
     unit = 64 if layout == "marlin" else 8
     block_n = _largest_pow2_divisor(n, cfg.block_n, unit)
-    chunk = _chunk(cfg.block_k, group_size, layout)
-    block_k = chunk * _largest_divisor(k // chunk, max(1, cfg.block_k // chunk))
+    chunk = _chunk(min(cfg.block_k, max(1, k // splits)) if splits else cfg.block_k, group_size, layout)
+    k_split = k // splits if splits and k % (splits * chunk) == 0 else k
+    block_k = chunk * _largest_divisor(k_split // chunk, max(1, cfg.block_k // chunk))
     tiles = -(-m // cfg.block_m) * (n // block_n)
     steps = k // block_k
-    # split K until there are ~4 programs per core (deterministic partial sums, reduced by XLA)
-    splits = _largest_divisor(steps, max(1, 4 * num_cores() // tiles))
+    if splits:
+        return dataclasses.replace(cfg, block_n=block_n, block_k=block_k), splits
+    # split K until there are PROGRAMS_PER_CORE programs per core (deterministic partial sums, reduced by XLA)
+    per_core = PROGRAMS_PER_CORE["gemv" if m == 1 and kernel != "tile" else "dot"]
+    splits = _largest_divisor(steps, max(1, per_core * num_cores() // tiles))
     return dataclasses.replace(cfg, block_n=block_n, block_k=block_k), splits
 
 
@@ -272,11 +411,14 @@ def int4_matmul(
     layout: str = "kpacked",
     config: Int4Config | None = None,
     splits: int | None = None,
+    kernel: str | None = None,
     interpret: bool | None = None,
 ):
     """Pallas W4A16 matmul with the signature of :func:`int4_matmul_reference`.
 
     config / splits: override the launch choice of :func:`choose_config` (tuning, tests).
+    kernel: "tile" or "planes" / "planes_t" (kpacked only; see :func:`_plane_kernel`); default
+    :func:`default_kernel`.
     """
     k, n = _shape_kn(qweight, layout)
     if x.shape[-1] != k:
@@ -288,12 +430,19 @@ def int4_matmul(
     m = x2.shape[0]
     if m > MAX_KERNEL_ROWS and config is None:  # prefill chunks: dequantize once, then the XLA GEMM
         return int4_matmul_reference(x, qweight, scales, zeros, perm, group_size=group_size, layout=layout)
-    cfg, auto_splits = choose_config(m, k, n, group_size, layout, config)
-    num_splits = splits or auto_splits
+    kernel = kernel or default_kernel(m, group_size, layout)
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown int4 kernel {kernel!r}; expected one of {KERNELS}")
+    if kernel != "tile" and layout != "kpacked":
+        raise ValueError(f"the {kernel} kernel reads the kpacked layout, not {layout}")
+    cfg, num_splits = choose_config(m, k, n, group_size, layout, config, kernel, splits)
     block_k = cfg.block_k
     chunk = _chunk(block_k, group_size, layout)
     if block_k % chunk or k % (block_k * num_splits):
         raise ValueError(f"block_k {block_k} x {num_splits} splits does not tile K={k} in groups of {group_size}")
+    if kernel != "tile":
+        return _planes_matmul(x2, qweight, scales, zeros, perm, cfg, num_splits, chunk, group_size, kernel,
+                              interpret).astype(x.dtype).reshape(*lead, n)
     if layout == "marlin":  # the codes come in mma-fragment row order: gather x to match
         order = jnp.asarray(_marlin_row_order(k))
         perm = order if perm is None else jnp.take(perm, order)
@@ -334,3 +483,52 @@ def int4_matmul(
     if pos is not None:
         y = y[:, pos]
     return y[:m].astype(x.dtype).reshape(*lead, n)
+
+
+def _planes_matmul(x2, qweight, scales, zeros, perm, cfg: Int4Config, num_splits: int, chunk: int,
+                   group_size: int, kernel: str, interpret):
+    """``x2 [m, K] @ dequant(W)`` through :func:`_plane_kernel` (kpacked); float32 ``[m, N]``."""
+    k, n = _shape_kn(qweight, "kpacked")
+    m = x2.shape[0]
+    if perm is not None:
+        x2 = jnp.take(x2, perm, axis=1)
+    mode = "gemv" if m == 1 else ("dot" if kernel == "planes" else "dot_t")
+    block_m = 1 if mode == "gemv" else cfg.block_m
+    m_pad = -(-m // block_m) * block_m
+    if m_pad != m:
+        x2 = jnp.pad(x2, ((0, m_pad - m), (0, 0)))
+    rows = chunk // 8
+    if mode != "gemv" and rows < 16:
+        raise ValueError(f"the {kernel} kernel needs sub-blocks of >= 128 input rows (scale groups of >= 128 and "
+                         f"block_k >= 128) for {m} rows; got {chunk} (group_size {group_size})")
+    dtype = jnp.float32 if mode == "gemv" else x2.dtype
+    block_n, groups = cfg.block_n, k // group_size
+    if mode == "dot_t":
+        x_spec = pl.BlockSpec((8, k // 8, block_m), lambda i, j, s: (0, 0, i))
+    else:
+        x_spec = pl.BlockSpec((8, block_m, k // 8), lambda i, j, s: (0, i, 0))
+    in_specs = [x_spec, pl.BlockSpec((k // 8, block_n), lambda i, j, s: (0, j)),
+                pl.BlockSpec((groups, block_n), lambda i, j, s: (0, j))]
+    args = [_planes_x(x2, mode == "dot_t", dtype), qweight, scales]
+    if zeros is not None:
+        xs = x2.astype(jnp.float32).reshape(m_pad, k // chunk, chunk).sum(-1)  # [m, chunks of K]
+        in_specs.append(pl.BlockSpec((groups, block_n), lambda i, j, s: (0, j)))
+        if mode == "dot_t":
+            xs = xs.T
+            in_specs.append(pl.BlockSpec((k // chunk, block_m), lambda i, j, s: (0, i)))
+        else:
+            in_specs.append(pl.BlockSpec((block_m, k // chunk), lambda i, j, s: (i, 0)))
+        args += [zeros, xs]
+    body = functools.partial(
+        _plane_kernel, rows=rows, chunks=cfg.block_k // chunk, steps=k // cfg.block_k // num_splits,
+        group_size=group_size, mode=mode, has_zeros=zeros is not None)
+    partial = pl.pallas_call(
+        body,
+        grid=(m_pad // block_m, n // block_n, num_splits),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, block_m, block_n), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((num_splits, m_pad, n), jnp.float32),
+        **launch_options(KernelConfig(block_m, chunk, cfg.num_warps, cfg.num_stages), interpret),
+    )(*args)
+    y = partial[0] if num_splits == 1 else jnp.sum(partial, axis=0)
+    return y[:m]

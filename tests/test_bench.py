@@ -59,7 +59,7 @@ def test_bench_int4_smoke_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     r = _bench("--scenarios", "int4,e2e", "--shape", "smollm2-135m", "--contexts", "24", "--attention_impls", "xla",
                "--quants", "none,int4", "--quant_group_size", "64", "--int4_ms", "1", "--int4_layouts", "kpacked",
-               "--decode_steps", "3", "--decode_block", "2", "--chunk_length", "32", "--dtype", "float32",
+               "--int4_kernels", "auto,tile", "--decode_steps", "3", "--decode_block", "2", "--chunk_length", "32", "--dtype", "float32",
                "--repeats", "1", "--json_out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -69,6 +69,8 @@ def test_bench_int4_smoke_on_cpu(tmp_path):
     assert [row["name"] for row in rows] == ["qkv", "o", "gate_up", "down"] and rows[0]["k"] == 576
     for row in rows:
         assert row["seconds"]["bf16"][0] > 0 and row["seconds"]["int4_kpacked"][0] > 0
+        assert row["seconds"]["int4_kpacked_tile"][0] > 0 and row["config"]["kernel"] == "planes"
+    assert "int4_kpacked_tile µs" in r.stdout
     assert "| smollm2-135m | xla | int4 g64 | off | 1 | 24 |" in r.stdout and "int4 dequant-GEMM, group 64" in r.stdout
 
 
@@ -125,6 +127,7 @@ def test_plot_from_saved_json(tmp_path):
     (["--attention_impls", "cuda"], "unknown cuda"),
     (["--quants", "int8"], "unknown int8"),
     (["--int4_layouts", "awq"], "unknown awq"),
+    (["--int4_kernels", "auto,marlin_asm"], "unknown marlin_asm"),
     (["--quant_group_size", "24"], "multiple of 16"),
     (["--contexts", "1k"], "--contexts must be integers"),
     (["--plot_from", "/nonexistent.json", "--plot", "x.png"], "cannot read /nonexistent.json"),

@@ -555,6 +555,53 @@ def test_int4_matmul_bf16(layout, m):
     assert helpers.rel_err(np.asarray(y, np.float32), want) < 1e-2
 
 
+# (k, n, group_size, sym, act_order, m, kernel, config)
+_PLANE_CASES = [
+    pytest.param(256, 128, 32, True, False, 1, "planes", None, id="gemv-g32"),
+    pytest.param(512, 256, 128, False, True, 1, "planes", kern.Int4Config(1, 64, 256, 4, 2), id="gemv-asym-actorder-k256"),
+    pytest.param(256, 128, 256, False, False, 1, "planes", None, id="gemv-asym-perchannel"),
+    pytest.param(512, 128, 128, True, False, 5, "planes", None, id="dot-m5"),
+    pytest.param(512, 256, 128, False, True, 16, "planes", kern.Int4Config(16, 64, 256, 4, 2), id="dot-asym-actorder-k256"),
+    pytest.param(256, 128, 256, False, False, 20, "planes", None, id="dot-asym-perchannel-m20"),
+    pytest.param(512, 128, 128, True, True, 40, "planes_t", None, id="dot_t-actorder-m40"),
+    pytest.param(512, 256, 128, False, False, 33, "planes_t", kern.Int4Config(32, 128, 256, 4, 2), id="dot_t-asym-bm32"),
+]
+
+
+@pytest.mark.parametrize("k,n,gs,sym,act_order,m,kernel,config", _PLANE_CASES)
+def test_int4_plane_kernels_match_numpy(k, n, gs, sym, act_order, m, kernel, config):
+    """The nibble-plane kernels (one-row GEMV, tensor-core dot and its transposed form) against a NumPy
+    dequantization, with zero points, act-order, sub-blocks shorter than the group, rows padded to the tile."""
+    rng = np.random.default_rng(k + n + gs + m + 3 * sym + 5 * act_order)
+    w = random_weight(rng, k, n, gs, sym=sym, act_order=act_order)
+    arrays = {name: jnp.asarray(a) for name, a in int4.to_engine(w, "kpacked").items()}
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = kern.int4_matmul(jnp.asarray(x), **arrays, group_size=gs, kernel=kernel, config=config,
+                         splits=2 if m == 1 else None)
+    assert y.dtype == jnp.float32 and y.shape == (m, n)
+    assert_close(y, _oracle_y(x, w), 1e-5)
+
+
+def test_int4_default_kernel_choice():
+    """One row, and 2..64 rows with scale groups of >= 128, take the plane kernels (kpacked only); the rest
+    the tile kernel."""
+    assert kern.default_kernel(1, 128, "kpacked") == kern.default_kernel(1, 32, "kpacked") == "planes"
+    assert kern.default_kernel(1, 128, "marlin") == "tile"
+    assert kern.default_kernel(2, 128, "kpacked") == kern.default_kernel(16, 4096, "kpacked") == "planes"
+    assert kern.default_kernel(17, 128, "kpacked") == kern.default_kernel(64, 128, "kpacked") == "planes_t"
+    assert kern.default_kernel(65, 128, "kpacked") == "tile"
+    assert kern.default_kernel(16, 64, "kpacked") == kern.default_kernel(16, 128, "marlin") == "tile"
+    rng = np.random.default_rng(19)
+    e = {name: jnp.asarray(a) for name, a in int4.to_engine(random_weight(rng, 256, 64, 64), "kpacked").items()}
+    with pytest.raises(ValueError, match="128 input rows"):
+        kern.int4_matmul(jnp.zeros((16, 256)), **e, group_size=64, kernel="planes")
+    e = {name: jnp.asarray(a) for name, a in int4.to_engine(random_weight(rng, 256, 64, 128), "marlin").items()}
+    with pytest.raises(ValueError, match="kpacked"):
+        kern.int4_matmul(jnp.zeros((16, 256)), **e, group_size=128, layout="marlin", kernel="planes")
+    with pytest.raises(ValueError, match="unknown int4 kernel"):
+        kern.int4_matmul(jnp.zeros((16, 256)), **e, group_size=128, layout="marlin", kernel="gemlite")
+
+
 @pytest.mark.parametrize("layout,k,gs", [("marlin", 80, 40), ("kpacked", 96, 12)])
 def test_int4_matmul_rejects_group_sizes_it_cannot_tile(layout, k, gs):
     rng = np.random.default_rng(18)
@@ -577,11 +624,14 @@ def test_int4_matmul_rejects_mismatched_inputs():
 
 
 # ----------------------------------------------------------------------------------- 6. GPU
-_GPU_CASES = [  # (layout, m, sym, act_order)
+_GPU_CASES = [  # (layout, m, sym, act_order); kpacked 2..64 rows run the plane kernels
     ("kpacked", 1, True, False),
     ("kpacked", 16, True, False),
     ("kpacked", 64, False, False),
     ("kpacked", 1, False, True),
+    ("kpacked", 5, False, True),
+    ("kpacked", 32, True, True),
+    ("kpacked", 100, True, False),
     ("marlin", 1, True, False),
     ("marlin", 16, True, False),
     ("marlin", 64, True, True),
