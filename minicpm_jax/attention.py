@@ -20,7 +20,7 @@ from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.layers import make_linear
 from minicpm_jax.quant import QuantSpec
 from minicpm_jax.rope import apply_rope, rope_frequencies
-from minicpm_jax.sparse import extend_compressed, rope_inverse, sparse_attention
+from minicpm_jax.sparse import extend_compressed, rope_inverse, sparse_attention, tree_sparse_attention
 from pallas_kernels.attention import (
     MAX_DECODE_QUERIES,
     attention_reference,
@@ -101,6 +101,19 @@ class Attention(nnx.Module):
         self.qkv_proj = make_linear(in_features or config.hidden_size, qkv_out, quant, **linear)
         self.o_proj = make_linear(config.num_heads * config.head_dim, config.hidden_size, quant, **linear)
 
+    def extend_compressed(self, cache: KVCache, old_lengths: jax.Array, new_lengths: jax.Array,
+                          max_tokens: int) -> KVCache:
+        """This layer's K1/K2 extended over keys already in the cache (``old_lengths`` → ``new_lengths``,
+        ``int32[B]``, at most ``max_tokens`` apart): what a forward over those tokens would have added."""
+        sp = self.sparse
+        unrotate = None
+        if sp.use_nope:
+            inv_freq, rope_scale = rope_frequencies(self.config.rope, self.config.head_dim, self.max_length,
+                                                    self.config.max_position_embeddings)
+            unrotate = rope_inverse(inv_freq, rope_scale)
+        return extend_compressed(cache, self.layer, old_lengths, new_lengths, sp, max_tokens=max_tokens,
+                                 unrotate=unrotate, impl=self.attention_impl)
+
     def __call__(
         self, x: jax.Array, positions: jax.Array, valid: jax.Array, cache: KVCache, kv_lengths: jax.Array,
         mode: str = "dense", tree: TreeInputs | None = None,
@@ -112,8 +125,10 @@ class Attention(nnx.Module):
         in every mode.
         tree: speculative-tree tokens (:class:`TreeInputs`): token ``i`` is stored at slot
         ``prefix + offset + i`` (``positions`` are then only its RoPE positions) and attends to the prefix
-        and to the tree slots its mask names; dense attention only, and the compressed caches are left to
-        the committed tokens.
+        and to the tree slots its mask names; with sparse settings and mode ``sparse`` (or ``mixed``, by
+        each node's length) as plain InfLLM-v2 decoding of its ancestor path would
+        (:func:`~minicpm_jax.sparse.tree_sparse_attention`). The compressed caches are left to the committed
+        tokens (:meth:`extend_compressed` after the accepted path is in place).
         """
         cfg = self.config
         b, t, _ = x.shape
@@ -129,8 +144,24 @@ class Attention(nnx.Module):
         if tree is not None:
             slots = tree.prefix[:, None] + tree.offset + jnp.arange(t, dtype=jnp.int32)[None, :]
             cache = cache.write(self.layer, k, v, slots, valid)
-            out = TREE_ATTENTION_IMPLS[self.attention_impl](q, cache.k, cache.v, tree.prefix, tree.mask, scale=d**-0.5,
-                                                            layer=self.layer, window=tree.window)
+            dense_tree = lambda: TREE_ATTENTION_IMPLS[self.attention_impl](  # noqa: E731
+                q, cache.k, cache.v, tree.prefix, tree.mask, scale=d**-0.5, layer=self.layer, window=tree.window)
+            if self.sparse is None or mode == "dense":
+                out = dense_tree()
+            else:
+                sp = self.sparse
+                if tree.window is not None or tree.mask.shape[2] != t:
+                    raise ValueError("sparse tree attention verifies a whole tree at once (no offset or window)")
+                dtype = cache.k.dtype
+                sparse_out = tree_sparse_attention(
+                    q, q_nope if sp.use_nope else q, k.astype(dtype), v.astype(dtype), tree.mask, cache, self.layer,
+                    tree.prefix, positions - tree.prefix[:, None], sp, scale=d**-0.5, impl=self.attention_impl,
+                    unrotate=rope_inverse(inv_freq, rope_scale) if sp.use_nope else None)
+                if mode == "sparse":
+                    out = sparse_out
+                else:  # mixed: each node as plain decoding would run it, by its own length
+                    use = positions + 1 >= sp.dense_len
+                    out = jnp.where(use[:, :, None, None], sparse_out, dense_tree())
             return self.o_proj(out.reshape(b, t, nq)), cache
         cache = cache.write(self.layer, k, v, positions, valid)
         attend = get_attention_impl(self.attention_impl)

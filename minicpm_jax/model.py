@@ -131,7 +131,8 @@ class MiniCPMForCausalLM(nnx.Module):
         ``i`` goes to cache slot ``length + i`` with RoPE position ``length + depths[:, i]`` and attends to
         the cached tokens and to the tree tokens ``j`` with ``tree_mask[:, i, j]`` (its ancestors and
         itself); the cache length advances by T and is set to the committed length afterwards
-        (:func:`~minicpm_jax.speculative.compact_cache`). Dense attention only.
+        (:func:`~minicpm_jax.speculative.compact_cache`, then :meth:`extend_compressed`). Sparse models
+        verify each node as plain decoding of its path would (``auto`` = ``mixed`` for trees).
         Returns the final-normed hidden states ``[B, T, hidden]`` (model dtype) and the updated cache
         (``forward``); ``forward_features`` also returns the residual stream entering each layer of
         ``capture`` (static; EAGLE-3 features), ``[B, T, hidden]`` each: (hidden, features, cache).
@@ -147,7 +148,8 @@ class MiniCPMForCausalLM(nnx.Module):
             depths, tree_mask = tree
             positions = cache.lengths[:, None] + depths
             tree = TreeInputs(cache.lengths, tree_mask)
-            mode = "dense"
+            if mode == "auto":  # per node by its own length (see Attention)
+                mode = "mixed" if self.sparse_active else "dense"
         valid = steps[None, :] < num_valid[:, None]
         kv_lengths = cache.lengths + num_valid
         x = self.model.embed_tokens(tokens).astype(self.dtype) * jnp.asarray(self.config.scale_emb, self.dtype)
@@ -162,7 +164,7 @@ class MiniCPMForCausalLM(nnx.Module):
                 return x, cache, [seen[i] for i in capture]
             return run
 
-        if not self.sparse_active or tree is not None:
+        if not self.sparse_active:
             x, cache, captured = run_layers("dense")(x, cache)
         elif mode != "auto":
             if mode not in ("dense", "sparse", "mixed"):
@@ -177,6 +179,16 @@ class MiniCPMForCausalLM(nnx.Module):
                                             x, cache)
         cache = dataclasses.replace(cache, lengths=kv_lengths)
         return self.model.norm(x), captured, cache
+
+    def extend_compressed(self, cache: KVCache, old_lengths: jax.Array, new_lengths: jax.Array,
+                          max_tokens: int) -> KVCache:
+        """Every layer's compressed keys (sparse models) extended over tokens put in the cache by other
+        means than a forward (the accepted path of a speculative tree), ``old_lengths`` → ``new_lengths``."""
+        if not self.sparse_active:
+            return cache
+        for layer in self.model.layers:
+            cache = layer.self_attn.extend_compressed(cache, old_lengths, new_lengths, max_tokens)
+        return cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """``hidden [..., hidden_size]`` (final-normed) → fp32 logits ``[..., vocab]``."""

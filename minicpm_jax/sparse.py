@@ -167,6 +167,85 @@ def sparse_attention(
                      block_size=sparse.block_size, layer=layer)
 
 
+def tree_depth_limit(sparse: SparseConfig) -> int:
+    """The deepest speculative tree :func:`tree_sparse_attention` verifies exactly: paths shorter than the
+    coarse stride (at most one coarse window closes inside a path), whose fine windows only reach blocks
+    inside the forced local window (``local_blocks >= ceil((depth + block - stride + kernel) / block)``)."""
+    lag = sparse.block_size - sparse.kernel_stride + sparse.kernel_size
+    by_window = sparse.local_blocks * sparse.block_size - lag
+    return max(-1, min(sparse.kernel_stride2 - 1, by_window))
+
+
+def tree_sparse_attention(
+    q: jax.Array, q_select: jax.Array, tree_k: jax.Array, tree_v: jax.Array, tree_mask: jax.Array, cache: KVCache,
+    layer: int, prefix: jax.Array, depths: jax.Array, sparse: SparseConfig, *, scale: float, impl: str,
+    unrotate=None,
+) -> jax.Array:
+    """InfLLM-v2 attention of speculative-tree tokens, equal for every node to plain sparse decoding of its
+    ancestor path (:func:`sparse_attention` at position ``prefix + depth`` after the path was committed).
+
+    q ``[B, T, H, D]`` (post-RoPE; ``q_select`` pre-RoPE with ``use_nope``), tree_k / tree_v ``[B, T, KVH,
+    D]`` the tree tokens' keys and values (cache dtype; post-RoPE), tree_mask ``bool[B, T, T]`` (ancestors and
+    self), prefix ``int32[B]`` committed tokens (in the cache, with their compressed keys), depths
+    ``int32[B, T]``. Depths must stay within :func:`tree_depth_limit`.
+
+    What a path changes compared with the committed prefix: (1) the coarse (K2) window that closes inside
+    it joins the stage-1 LSE; the node's copy is built from the prefix keys and its own ancestors' keys
+    (``extra_logits``); (2) fine (K1) windows that reach into the path only score blocks inside the forced
+    local window, so they can be left out; (3) stage 2 attends the selected blocks of the prefix (the
+    block-sparse kernel with ``kv_lengths = prefix``, returning its LSE) and, merged by log-sum-exp, the
+    node's ancestors (which plain decoding finds in its forced local blocks).
+    """
+    b, t, h, d = q.shape
+    kvh = tree_k.shape[2]
+    positions = prefix[:, None] + depths
+    k2_size, k2_stride = sparse.kernel_size2, sparse.kernel_stride2
+    # (1) The coarse window that the path closes: the first one not complete at the prefix.
+    first = compressed_count(prefix, kernel=k2_size, stride=k2_stride) * k2_stride  # [B] its first key
+    end = first + k2_size
+    key_pos = jnp.minimum(first[:, None] + jnp.arange(k2_size, dtype=jnp.int32)[None, :], cache.max_length - 1)
+    keys = cache.k[layer, jnp.arange(b)[:, None], :, key_pos]  # [B, k2, KVH, D]
+    path_k = tree_k
+    if unrotate is not None:
+        keys = unrotate(keys, key_pos)
+        path_k = unrotate(tree_k, positions)
+    in_prefix = (first[:, None] + jnp.arange(k2_size)[None, :]) < prefix[:, None]
+    prefix_sum = jnp.sum(jnp.where(in_prefix[..., None, None], keys.astype(jnp.float32), 0.0), axis=1)  # [B, KVH, D]
+    take = tree_mask & (positions[:, None, :] < end[:, None, None])  # ancestors inside the window
+    path_sum = jnp.einsum("bij,bjkd->bikd", take.astype(jnp.float32), path_k.astype(jnp.float32),
+                          precision=lax.Precision.HIGHEST)
+    extra_key = ((prefix_sum[:, None] + path_sum) / k2_size).astype(cache.k.dtype)  # as the cache stores it
+    qg = q_select.reshape(b, t, kvh, h // kvh, d)
+    extra = jnp.einsum("btkgd,btkd->btkg", qg, extra_key, preferred_element_type=jnp.float32).reshape(b, t, h) * scale
+    extra = jnp.where((positions + 1 >= end[:, None])[..., None], extra, -jnp.inf)
+
+    scores_fn, attend_fn = ((compressed_scores, block_sparse_attention) if impl == "pallas" else
+                            (compressed_scores_reference, block_sparse_attention_reference))
+    # The cache's slot for that window is stale (the path is not committed): stage 1 runs at a position that
+    # cannot see it (fine windows hidden by this are path windows too, scoring forced blocks only).
+    score_pos = jnp.minimum(positions, end[:, None] - 2)
+    scores = scores_fn(q_select, cache.k1, cache.k2, score_pos, scale=scale, kernel1=sparse.kernel_size,
+                       stride1=sparse.kernel_stride, kernel2=k2_size, stride2=k2_stride, layer=layer,
+                       extra_logits=extra)
+    num_blocks = -(-cache.max_length // sparse.block_size)
+    blocks = select_blocks(scores, positions, prefix, sparse, num_blocks)
+    # (3) The prefix's selected blocks, and the ancestors; merged by their log-sum-exps.
+    out_p, lse_p = attend_fn(q, cache.k, cache.v, positions, prefix, blocks, scale=scale,
+                             block_size=sparse.block_size, layer=layer, return_lse=True)
+    qg = q.reshape(b, t, kvh, h // kvh, d)
+    s = jnp.einsum("btkgd,bjkd->btkgj", qg, tree_k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(tree_mask[:, :, None, None, :], s, -jnp.inf)
+    lse_t = jax.nn.logsumexp(s, axis=-1)  # [B, T, KVH, G]; every node sees itself
+    out_t = jnp.einsum("btkgj,bjkd->btkgd", jnp.exp(s - lse_t[..., None]).astype(tree_v.dtype), tree_v,
+                       preferred_element_type=jnp.float32)
+    lse_t = lse_t.reshape(b, t, h)
+    top = jnp.maximum(lse_p, lse_t)
+    w_p = jnp.exp(lse_p - top)[..., None]
+    w_t = jnp.exp(lse_t - top)[..., None]
+    out = (out_p.astype(jnp.float32) * w_p + out_t.reshape(b, t, h, d) * w_t) / (w_p + w_t)
+    return out.astype(q.dtype)
+
+
 def attention_mode(dense_len: int, lo: int, hi: int) -> str:
     """The static attention mode for a step whose relevant rows reach between ``lo`` and ``hi`` tokens
     (cache plus the step's tokens): ``dense`` if all stay below ``dense_len``, ``sparse`` if all reach it,

@@ -41,6 +41,7 @@ from minicpm_jax.engine import FINISH_LENGTH, FINISH_STOP, DecodeState, Engine
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model import MiniCPMForCausalLM
 from minicpm_jax.sampling import sample
+from minicpm_jax.sparse import tree_depth_limit
 from pallas_kernels.tree_attention import MAX_TREE_NODES
 
 
@@ -235,8 +236,11 @@ def tree_masks(parent: jax.Array, depth_limit: int) -> jax.Array:
 
 
 def _round(model, draft, head, ids, cache: KVCache, ds: DecodeState, st: SpecState, *, spec: SpecConfig,
-           sampling: str = "auto"):
-    """One speculative round for every active row; returns (cache, ds, st, emitted ``int32[B, A]`` (-1 = none))."""
+           sampling: str = "auto", mode: str = "auto"):
+    """One speculative round for every active row; returns (cache, ds, st, emitted ``int32[B, A]`` (-1 = none)).
+
+    mode (static): the target's attention for sparse models (``dense`` / ``sparse`` / ``mixed``, see
+    :meth:`MiniCPMForCausalLM.forward_features`)."""
     b = ds.tok.shape[0]
     a_max, n = spec.max_accept, spec.tree_size
     active = ~ds.done
@@ -256,7 +260,8 @@ def _round(model, draft, head, ids, cache: KVCache, ds: DecodeState, st: SpecSta
     orphan = parent < 0  # never accepted, nor anything under it
     mask = tree_masks(parent, spec.num_iter)
     prefix = cache.lengths
-    hidden, features, cache = target_forward(model, draft, tokens, cache, jnp.where(active, n, 0), tree=(depth, mask))
+    hidden, features, cache = target_forward(model, draft, tokens, cache, jnp.where(active, n, 0), mode=mode,
+                                             tree=(depth, mask))
     logits = model.logits(hidden)
     # The target's token at every node: argmax, or an independent draw per node.
     steps = ds.n_gen[:, None] * MAX_TREE_NODES + jnp.arange(n, dtype=jnp.int32)[None, :]
@@ -279,6 +284,7 @@ def _round(model, draft, head, ids, cache: KVCache, ds: DecodeState, st: SpecSta
     path = jnp.argmax(on_path[:, None, :] & (depth[:, None, :] == levels[None, :, None]), axis=2).astype(jnp.int32)
     emitted = jnp.take_along_axis(target, path, axis=1)  # [B, A]; valid below n_acc
     cache = compact_cache(cache, prefix, path, jnp.where(active, n_acc, 0))
+    cache = model.extend_compressed(cache, prefix, cache.lengths, a_max)  # sparse: K1/K2 of the accepted path
 
     # Stops: budget, stop ids (inclusive), a full cache.
     in_round = (levels[None, :] < n_acc[:, None]) & active[:, None]
@@ -305,7 +311,7 @@ def _round(model, draft, head, ids, cache: KVCache, ds: DecodeState, st: SpecSta
 
 
 def _spec_block(graphdef, state, dgraph, dstate, head, ids, cache, ds, st, *, rounds: int, spec: SpecConfig,
-                sampling: str = "auto"):
+                sampling: str = "auto", mode: str = "auto"):
     """Up to ``rounds`` rounds on device; returns (cache, ds, st, tokens ``int32[B, rounds·A]``, -1 = none)."""
     model, draft = nnx.merge(graphdef, state), nnx.merge(dgraph, dstate)
     a = spec.max_accept
@@ -317,7 +323,8 @@ def _spec_block(graphdef, state, dgraph, dstate, head, ids, cache, ds, st, *, ro
 
     def body(carry):
         i, cache, ds, st, out = carry
-        cache, ds, st, emitted = _round(model, draft, head, ids, cache, ds, st, spec=spec, sampling=sampling)
+        cache, ds, st, emitted = _round(model, draft, head, ids, cache, ds, st, spec=spec, sampling=sampling,
+                                        mode=mode)
         out = lax.dynamic_update_slice(out, emitted, (0, i * a))
         return i + 1, cache, ds, st, out
 
@@ -326,12 +333,12 @@ def _spec_block(graphdef, state, dgraph, dstate, head, ids, cache, ds, st, *, ro
 
 
 def _spec_prefill_chunk(graphdef, state, dgraph, dstate, cache, dcache, tokens, next_tokens, num_valid, draft_valid,
-                        last_logits, last_feat):
+                        last_logits, last_feat, mode: str = "dense"):
     """A prompt chunk through the target, then its (feature, next token) pairs through the draft.
 
     Keeps each row's last-token logits and final feature (the feature of the pair the root completes)."""
     model, draft = nnx.merge(graphdef, state), nnx.merge(dgraph, dstate)
-    hidden, features, cache = target_forward(model, draft, tokens, cache, num_valid)
+    hidden, features, cache = target_forward(model, draft, tokens, cache, num_valid, mode=mode)
     c = tokens.shape[1]
     positions = dcache.lengths[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
     valid = jnp.arange(c)[None, :] < draft_valid[:, None]
@@ -350,7 +357,9 @@ class SpeculativeEngine(Engine):
       model: the target. draft: its :class:`~minicpm_jax.eagle.EagleDraft` (same dtype).
       spec: tree settings. frspec_ids: FR-Spec subset ``int32[V']`` (``eagle.read_frspec``), or None.
       decode_block: rounds per host round trip. Other arguments as :class:`Engine`.
-    Sparse (InfLLM-v2) targets run speculatively only while every sequence stays below ``dense_len``.
+    Sparse (InfLLM-v2) targets verify each tree node as plain sparse decoding of its path would, and extend
+    the compressed keys by the accepted tokens (trees at most :func:`~minicpm_jax.sparse.tree_depth_limit`
+    deep).
     """
 
     def __init__(self, model: MiniCPMForCausalLM, draft: EagleDraft, *, spec: SpecConfig = SpecConfig(),
@@ -369,6 +378,10 @@ class SpeculativeEngine(Engine):
             raise MiniCPMError(f"spec_topk_per_iter {spec.topk_per_iter} exceeds the draft's vocabulary of {draft_vocab} ids")
         if self.max_length < 16:
             raise MiniCPMError(f"speculative decoding needs max_length >= 16, got {self.max_length}")
+        if model.sparse_active and spec.num_iter > tree_depth_limit(model.sparse):
+            raise MiniCPMError(
+                f"spec_num_iter {spec.num_iter} is deeper than sparse attention verifies exactly with this sparse_config "
+                f"(at most {tree_depth_limit(model.sparse)}: shorter than the coarse stride, inside the local window)")
         self.draft = draft
         self.dgraph, self.dstate = nnx.split(draft)
         self.ids = None if frspec_ids is None else jnp.asarray(frspec_ids, jnp.int32)
@@ -376,14 +389,14 @@ class SpeculativeEngine(Engine):
         self.dcache = draft.new_cache(batch_size, self.max_length + spec.draft_slots + spec.max_accept)
         self.last_feat = jnp.zeros((batch_size, draft.spec.feature_size), model.dtype)
         self._jitted["spec_prefill"] = jax.jit(
-            lambda state, dstate, cache, dcache, *rest: _spec_prefill_chunk(self.graphdef, state, self.dgraph, dstate,
-                                                                            cache, dcache, *rest),
-            donate_argnums=(2, 3))
+            lambda state, dstate, cache, dcache, *rest, mode: _spec_prefill_chunk(
+                self.graphdef, state, self.dgraph, dstate, cache, dcache, *rest, mode=mode),
+            donate_argnums=(2, 3), static_argnames="mode")
         self._jitted["spec_decode"] = jax.jit(
-            lambda state, dstate, head, ids, cache, ds, st, sampling: _spec_block(
+            lambda state, dstate, head, ids, cache, ds, st, sampling, mode: _spec_block(
                 self.graphdef, state, self.dgraph, dstate, head, ids, cache, ds, st, rounds=decode_block, spec=self.spec,
-                sampling=sampling),
-            donate_argnums=(4, 6), static_argnames="sampling")
+                sampling=sampling, mode=mode),
+            donate_argnums=(4, 6), static_argnames=("sampling", "mode"))
         self.last_accepted: np.ndarray | None = None  # rounds by tokens emitted, of the last decode loop
 
     def reset(self) -> None:
@@ -402,19 +415,13 @@ class SpeculativeEngine(Engine):
         return max(0, super()._common_prefix(row, ids) - 1)
 
     def generate(self, prompts, *, max_new_tokens=256, **kwargs):
-        if self.model.sparse_active:
-            budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-            reach = max(len(p) + m for p, m in zip(prompts, budgets)) + self.spec.tree_size
-            if reach >= self.model.sparse.dense_len:
-                raise MiniCPMError(
-                    f"speculative decoding runs dense attention only: prompt + max_new_tokens + tree ({reach}) must stay "
-                    f"below dense_len {self.model.sparse.dense_len} (or run with --sparse off / without a draft)")
         results, stats = super().generate(prompts, max_new_tokens=max_new_tokens, **kwargs)
         stats.spec_accepted = [int(x) for x in self.last_accepted] if self.last_accepted is not None else None
         return results, stats
 
     def _run_prefill(self, rows: list[list[int]], on_prefill) -> jax.Array:
         total = max(len(r) for r in rows)
+        start = [int(n) for n in jax.device_get(self.cache.lengths)] if self.model.sparse_active else None
         c = min(self.chunk_length, max(32, 1 << (total - 1).bit_length()))
         logits = jnp.zeros((self.batch_size, self.config.vocab_size), jnp.float32)
         for begin in range(0, total, c):
@@ -429,7 +436,12 @@ class SpeculativeEngine(Engine):
                 num_valid[i], draft_valid[i] = len(piece), len(following)
             args = (self.state, self.dstate, self.cache, self.dcache, tokens, next_tokens, num_valid, draft_valid,
                     logits, self.last_feat)
-            self.cache, self.dcache, logits, self.last_feat = self._executable("spec_prefill", c, *args)(*args)
+            mode = "dense"
+            if start is not None:  # as the plain engine: chosen on the host from the lengths
+                reach = [start[i] + begin + int(num_valid[i]) for i in range(self.batch_size) if num_valid[i]]
+                mode = self.attention_mode(min(reach), max(reach))
+            self.cache, self.dcache, logits, self.last_feat = self._executable("spec_prefill", c, *args,
+                                                                               mode=mode)(*args)
             if on_prefill is not None:
                 logits.block_until_ready()
                 on_prefill(min(begin + c, total), total)
@@ -447,7 +459,13 @@ class SpeculativeEngine(Engine):
         pending = None
         while not all(host_done):
             args = (self.state, self.dstate, self.head, self.ids, self.cache, ds, st)
-            self.cache, ds, st, block = self._executable("spec_decode", None, *args, sampling=self.sampling)(*args)
+            mode = "dense"
+            if self.model.sparse_active:  # from the lengths (one sync a block), so rounds hold no conditional
+                lengths, done = jax.device_get((self.cache.lengths, ds.done))
+                live = [int(n) for n, d in zip(lengths, done) if not d] or [0]
+                mode = self.attention_mode(min(live) + 1, max(live) + self.decode_block * self.spec.max_accept)
+            self.cache, ds, st, block = self._executable("spec_decode", None, *args, sampling=self.sampling,
+                                                         mode=mode)(*args)
             if pending is not None:
                 ds = self._consume(pending, outputs, host_done, on_tokens, ds)
             pending = (block, ds.done)

@@ -56,8 +56,13 @@ def compressed_count(length: jax.Array, *, kernel: int, stride: int) -> jax.Arra
 def compressed_scores_reference(
     q: jax.Array, k1: jax.Array, k2: jax.Array, q_positions: jax.Array, *, scale: float,
     kernel1: int, stride1: int, kernel2: int, stride2: int, layer: int | None = None,
+    extra_logits: jax.Array | None = None,
 ) -> jax.Array:
-    """Stage-1 scores in plain jnp: fp32 ``[B, KVH, T, N1]`` (N1 = k1's entry axis). See the module doc."""
+    """Stage-1 scores in plain jnp: fp32 ``[B, KVH, T, N1]`` (N1 = k1's entry axis). See the module doc.
+
+    extra_logits: None, or fp32 ``[B, T, H]``: the (scaled) logit of one more coarse key per query and
+    head that joins the LSE (-inf: none); a speculative tree node's coarse window that closes inside its
+    own ancestor path (``minicpm_jax.sparse.tree_sparse_attention``)."""
     if layer is not None:
         k1, k2 = k1[layer], k2[layer]
     b, t, h, d = q.shape
@@ -68,6 +73,9 @@ def compressed_scores_reference(
     vis1 = compressed_visible(q_positions, k1.shape[2], kernel=kernel1, stride=stride1)[:, None, None]
     vis2 = compressed_visible(q_positions, k2.shape[2], kernel=kernel2, stride=stride2)[:, None, None]
     s2 = jnp.where(vis2, s2, -jnp.inf)
+    if extra_logits is not None:  # [B, T, H] -> [B, KVH, G, T, 1], one more key
+        extra = extra_logits.astype(jnp.float32).reshape(b, t, kvh, h // kvh).transpose(0, 2, 3, 1)[..., None]
+        s2 = jnp.concatenate([s2, extra], axis=-1)
     top = jnp.max(s2, axis=-1, keepdims=True)
     seen = jnp.isfinite(top)
     top = jnp.where(seen, top, 0.0)
@@ -151,7 +159,8 @@ def _splits(blocks: int, programs: int) -> int:
 def compressed_scores(
     q: jax.Array, k1: jax.Array, k2: jax.Array, q_positions: jax.Array, *, scale: float,
     kernel1: int, stride1: int, kernel2: int, stride2: int, layer: int | None = None,
-    num_splits: int | None = None, config: KernelConfig | None = None, interpret: bool | None = None,
+    extra_logits: jax.Array | None = None, num_splits: int | None = None, config: KernelConfig | None = None,
+    interpret: bool | None = None,
 ) -> jax.Array:
     """Stage-1 scores (Pallas). Signature of :func:`compressed_scores_reference`, except that entries no
     query of a tile can see are left unwritten (callers mask by :func:`compressed_visible`).
@@ -200,6 +209,13 @@ def compressed_scores(
     top = jnp.max(m, axis=2)
     total = jnp.sum(l * jnp.exp2(m - top[:, :, None]), axis=2)
     lse = jnp.where(total > 0.0, top + jnp.log2(jnp.where(total > 0.0, total, 1.0)), _MASKED)
+    if extra_logits is not None:  # one more coarse key per (token, head) joins the LSE (log2 units)
+        e = extra_logits.astype(jnp.float32).reshape(b, t, kvh, group).transpose(0, 2, 1, 3) * _LOG2E
+        e = jnp.pad(e, ((0, 0), (0, 0), (0, t_pad - t), (0, group_pad - group)), constant_values=-jnp.inf)
+        e = e.reshape(b, kvh, t_pad * group_pad)
+        hi = jnp.maximum(lse, e)
+        merged = hi + jnp.log2(jnp.exp2(lse - hi) + jnp.exp2(e - hi))
+        lse = jnp.where(jnp.isneginf(e), lse, merged)
 
     blocks1 = pl.cdiv(n1, block_n)
     splits1 = num_splits or _splits(blocks1, b * kvh * n_t)
@@ -223,13 +239,15 @@ def compressed_scores(
 
 def block_sparse_attention_reference(
     q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array,
-    block_indices: jax.Array, *, scale: float, block_size: int, layer: int | None = None,
-) -> jax.Array:
+    block_indices: jax.Array, *, scale: float, block_size: int, layer: int | None = None, return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Block-sparse causal attention in plain jnp (a dense masked softmax).
 
     block_indices: ``int32[B, KVH, T, K]``, the blocks query ``t`` of group ``g`` attends (``-1`` = none).
     Key ``s`` is visible iff its block is selected, ``s <= q_positions[b, t]`` and ``s < kv_lengths[b]``;
-    a query that sees nothing gets zeros. Returns ``[B, T, H, D]`` in q.dtype.
+    a query that sees nothing gets zeros. Returns ``[B, T, H, D]`` in q.dtype, and with ``return_lse``
+    also the log-sum-exp of each query head's visible scores, fp32 ``[B, T, H]`` (-inf: none), for
+    merging with attention over other keys.
     """
     if layer is not None:
         k, v = k[layer], v[layer]
@@ -250,7 +268,11 @@ def block_sparse_attention_reference(
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(visible[:, :, None], probs, 0.0)
     out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, d).astype(q.dtype)
+    out = out.reshape(b, t, h, d).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = jax.nn.logsumexp(scores, axis=-1)  # [B, KVH, G, T]; -inf where nothing is visible
+    return out, lse.transpose(0, 3, 1, 2).reshape(b, t, h)
 
 
 def _sparse_kernel(len_ref, q_ref, pos_ref, idx_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_scale, block_size,
@@ -288,9 +310,9 @@ def sparse_splits(batch: int, kv_heads: int, tokens: int, max_blocks: int) -> in
 
 def block_sparse_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array,
-    block_indices: jax.Array, *, scale: float, block_size: int, layer: int | None = None,
+    block_indices: jax.Array, *, scale: float, block_size: int, layer: int | None = None, return_lse: bool = False,
     num_splits: int | None = None, config: KernelConfig | None = None, interpret: bool | None = None,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Block-sparse causal attention (Pallas). Signature of :func:`block_sparse_attention_reference`;
     ``block_indices`` must list each row's valid blocks first (the ``-1`` entries last).
 
@@ -339,7 +361,14 @@ def block_sparse_attention(
         **launch_options(cfg, interpret),
     )(kv_lengths.astype(jnp.int32), qg, row_pos, idx, k, v)
     out = o[:, :, :, 0] if splits == 1 else merge_splits(o, lse)  # [B, KVH, T, rows, D]
-    return out[:, :, :, :group].transpose(0, 2, 1, 3, 4).reshape(b, t, h, d).astype(q.dtype)
+    out = out[:, :, :, :group].transpose(0, 2, 1, 3, 4).reshape(b, t, h, d).astype(q.dtype)
+    if not return_lse:
+        return out
+    top = jnp.max(lse, axis=3)  # [B, KVH, T, rows], log2 units
+    safe = jnp.where(jnp.isneginf(top), 0.0, top)
+    total = jnp.log2(jnp.sum(jnp.exp2(lse - safe[:, :, :, None]), axis=3)) + safe  # -inf when every split is empty
+    total = total[..., :group].transpose(0, 2, 1, 3).reshape(b, t, h) / _LOG2E
+    return out, total
 
 
 # -------------------------------------------------------------------------- compressed-cache decode step

@@ -18,7 +18,16 @@ from minicpm_jax.engine import Engine
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model import MiniCPMForCausalLM
 from minicpm_jax.sampling import SamplingParams
-from minicpm_jax.sparse import attention_mode, resolve_sparse, select_blocks
+from minicpm_jax.cache import KVCache
+from minicpm_jax.sparse import (
+    attention_mode,
+    extend_compressed,
+    resolve_sparse,
+    rope_inverse,
+    select_blocks,
+    sparse_attention,
+    tree_sparse_attention,
+)
 from pallas_kernels.sparse_attention import (
     block_sparse_attention,
     block_sparse_attention_reference,
@@ -144,6 +153,127 @@ def test_stage1_scores_and_selection_match_numpy_formulas():
                 assert row == sorted(x for x in row if x >= 0) + [-1] * row.count(-1)
 
 
+def test_stage1_extra_coarse_key_joins_the_lse():
+    """``extra_logits`` (a tree node's own coarse window) is one more coarse key: equal to putting that key
+    into K2 for the reference, and the Pallas kernel agrees; -inf leaves the scores unchanged."""
+    sp = SMALL
+    b, kvh, group, d, s = 2, 2, 4, 16, 96
+    k, k1, k2 = _random_caches(3, b, kvh, s, d, sp)
+    rng = np.random.default_rng(4)
+    positions = np.array([[40, 63, 70], [48, 90, 94]], np.int32)
+    t, h = positions.shape[1], kvh * group
+    q = (rng.standard_normal((b, t, h, d)) * 0.5).astype(np.float32)
+    extra_key = rng.standard_normal((b, t, kvh, d)).astype(np.float32)
+    scale = d**-0.5
+    extra = np.einsum("btkgd,btkd->btkg", q.reshape(b, t, kvh, group, d), extra_key).reshape(b, t, h) * scale
+    extra[1, 0] = -np.inf  # row without an extra key
+    args = (jnp.asarray(q), jnp.asarray(k1), jnp.asarray(k2), jnp.asarray(positions))
+    ref = np.asarray(compressed_scores_reference(*args, scale=scale, extra_logits=jnp.asarray(extra), **_score_kw(sp)))
+    pallas = np.asarray(compressed_scores(*args, scale=scale, extra_logits=jnp.asarray(extra), interpret=True,
+                                          **_score_kw(sp)))
+    plain = np.asarray(compressed_scores_reference(*args, scale=scale, **_score_kw(sp)))
+    for i in range(b):
+        for j in range(t):
+            # oracle: the key appended to K2 at a slot every query sees (position 0 window), one query at a time
+            k2_plus = np.concatenate([k2[i:i + 1], extra_key[i:i + 1, j][:, :, None]], axis=2)
+            pos = positions[i:i + 1, j:j + 1]
+            n2 = k2.shape[2]
+            vis_pos = pos if np.isfinite(extra[i, j]).all() else None
+            want = np.asarray(compressed_scores_reference(
+                jnp.asarray(q[i:i + 1, j:j + 1]), jnp.asarray(k1[i:i + 1]), jnp.asarray(k2_plus),
+                jnp.asarray(pos), scale=scale, extra_logits=None, **_score_kw(sp)) if vis_pos is None else
+                _with_visible_last(q[i:i + 1, j:j + 1], k1[i:i + 1], k2_plus, pos, scale, sp, n2))
+            n = (pos[0, 0] - sp.kernel_size + 1) // sp.kernel_stride + 1
+            np.testing.assert_allclose(ref[i, :, j, :n], want[0, :, 0, :n], rtol=2e-5, atol=1e-7)
+            np.testing.assert_allclose(pallas[i, :, j, :n], want[0, :, 0, :n], rtol=2e-5, atol=1e-7)
+    n = (positions[1, 0] - sp.kernel_size + 1) // sp.kernel_stride + 1
+    np.testing.assert_allclose(ref[1, :, 0, :n], plain[1, :, 0, :n], rtol=1e-6)
+    assert not np.allclose(ref[0, :, 0], plain[0, :, 0])
+
+
+def _with_visible_last(q, k1, k2_plus, pos, scale, sp, n2):
+    """Stage-1 scores in NumPy with every coarse key up to the query visible by the causal rule plus the
+    appended last one (index n2) always visible."""
+    b, t, h, d = q.shape
+    kvh = k1.shape[1]
+    qg = q.reshape(b, t, kvh, h // kvh, d).astype(np.float64)
+    s1 = np.einsum("btkgd,bknd->bkgtn", qg, k1) * scale
+    s2 = np.einsum("btkgd,bknd->bkgtn", qg, k2_plus) * scale
+    ends2 = np.arange(k2_plus.shape[2]) * sp.kernel_stride2 + sp.kernel_size2 - 1
+    vis2 = (ends2 <= pos[0, 0]) | (np.arange(k2_plus.shape[2]) == n2)
+    lse = np.log(np.sum(np.exp(np.where(vis2, s2, -np.inf)), axis=-1, keepdims=True))
+    ends1 = np.arange(k1.shape[2]) * sp.kernel_stride + sp.kernel_size - 1
+    p = np.where(ends1 <= pos[0, 0], np.exp(s1 - lse), 0.0)
+    return p.sum(axis=2)
+
+
+def _random_tree(rng, t: int, max_depth: int):
+    """parents (node 0 = root, parent < child) and depths of a random tree; ancestor-or-self mask."""
+    parent = np.zeros(t, np.int64)
+    depth = np.zeros(t, np.int64)
+    for i in range(1, t):
+        choices = [j for j in range(i) if depth[j] < max_depth]
+        parent[i] = rng.choice(choices)
+        depth[i] = depth[parent[i]] + 1
+    mask = np.zeros((t, t), bool)
+    for i in range(t):
+        j = i
+        while True:
+            mask[i, j] = True
+            if j == 0:
+                break
+            j = parent[j]
+    return depth, mask
+
+
+@pytest.mark.parametrize("impl,use_nope", [("xla", False), ("pallas", False), ("xla", True)])
+@pytest.mark.parametrize("prefix", [45, 62, 70])
+def test_tree_sparse_attention_equals_plain_sparse_decoding_of_each_path(impl, use_nope, prefix):
+    """Every tree node against ``sparse_attention`` run at its position on a cache where its ancestor path
+    was committed (keys written in order, K1/K2 extended): the coarse window that the path closes, the
+    forced local blocks holding the path, and the LSE merge of prefix blocks and tree keys."""
+    sp = dataclasses.replace(SMALL, topk=4, use_nope=use_nope)  # 2 free picks besides the init and 3 local blocks
+    # use_nope: selection on pre-RoPE q and keys (keys recovered by rotating the cached ones back)
+    unrotate = rope_inverse(jnp.asarray(1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16), jnp.float32), 1.0) if use_nope else None
+    cfg = ModelConfig.from_dict(helpers.tiny_minicpm_config())
+    b, kvh, h, d, s, t = 1, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim, 96, 12
+    rng = np.random.default_rng(prefix)
+    depth, mask = _random_tree(rng, t, 3)
+    cache = KVCache.create(cfg, b, s, jnp.float32, sp)
+    # heads of a group with different scales: their LSEs differ, so the coarse window matters for selection
+    k = rng.standard_normal((cfg.num_layers, b, kvh, s, d)).astype(np.float32)
+    v = rng.standard_normal((cfg.num_layers, b, kvh, s, d)).astype(np.float32)
+    q = (rng.standard_normal((b, t, h, d)) * np.linspace(0.3, 3.0, h)[None, None, :, None]).astype(np.float32)
+    q_sel = (rng.standard_normal((b, t, h, d)) * np.linspace(0.3, 3.0, h)[None, None, :, None]).astype(np.float32) if use_nope else q
+    tree_k = rng.standard_normal((b, t, kvh, d)).astype(np.float32)
+    tree_v = rng.standard_normal((b, t, kvh, d)).astype(np.float32)
+    base = dataclasses.replace(cache, k=jnp.asarray(k), v=jnp.asarray(v))
+    base = extend_compressed(base, 1, jnp.zeros(b, jnp.int32), jnp.full(b, prefix, jnp.int32), sp, max_tokens=s,
+                             unrotate=unrotate)
+    pre = jnp.full((b,), prefix, jnp.int32)
+    tree_cache = dataclasses.replace(
+        base, k=base.k.at[1, 0, :, prefix:prefix + t].set(jnp.asarray(tree_k[0]).transpose(1, 0, 2)),
+        v=base.v.at[1, 0, :, prefix:prefix + t].set(jnp.asarray(tree_v[0]).transpose(1, 0, 2)))
+    got = np.asarray(tree_sparse_attention(jnp.asarray(q), jnp.asarray(q_sel), jnp.asarray(tree_k),
+                                           jnp.asarray(tree_v), jnp.asarray(mask[None]), tree_cache, 1, pre,
+                                           jnp.asarray(depth[None], jnp.int32), sp, scale=d**-0.5, impl=impl,
+                                           unrotate=unrotate))
+    closes = False
+    for i in range(t):
+        path = sorted(np.nonzero(mask[i])[0], key=lambda j: depth[j])
+        pos = prefix + depth[i]
+        ck = base.k.at[1, 0, :, prefix:pos + 1].set(jnp.asarray(tree_k[0, path]).transpose(1, 0, 2))
+        cv = base.v.at[1, 0, :, prefix:pos + 1].set(jnp.asarray(tree_v[0, path]).transpose(1, 0, 2))
+        c = extend_compressed(dataclasses.replace(base, k=ck, v=cv), 1, pre, jnp.full((b,), pos + 1, jnp.int32), sp,
+                              max_tokens=8, unrotate=unrotate)
+        want = sparse_attention(jnp.asarray(q[:, i:i + 1]), jnp.asarray(q_sel[:, i:i + 1]), c, 1,
+                                jnp.full((b, 1), pos, jnp.int32), jnp.full((b,), pos + 1, jnp.int32), sp,
+                                scale=d**-0.5, impl="xla")
+        np.testing.assert_allclose(got[:, i], np.asarray(want)[:, 0], rtol=1e-4, atol=1e-5, err_msg=f"node {i}")
+        closes |= pos + 1 >= ((prefix - sp.kernel_size2) // sp.kernel_stride2 + 1) * sp.kernel_stride2 + sp.kernel_size2
+    assert closes  # some node's path closes a coarse window (its own copy joins the LSE)
+
+
 def test_selector_always_finds_a_planted_block():
     """Synthetic needle: one old block's keys align with the query; it must be selected at every later
     position, for every seed, although it is neither an init nor a local block."""
@@ -191,6 +321,20 @@ def test_block_sparse_kernel_matches_reference(splits):
     got = block_sparse_attention(q, k, v, positions, lengths, blocks, scale=0.3, block_size=bs, layer=2,
                                  num_splits=splits, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6)
+    # return_lse: the log-sum-exp of each head's visible scores, from NumPy (-inf where nothing is visible)
+    _, ref_lse = block_sparse_attention_reference(q, k, v, positions, lengths, blocks, scale=0.3, block_size=bs,
+                                                  layer=2, return_lse=True)
+    got_o, got_lse = block_sparse_attention(q, k, v, positions, lengths, blocks, scale=0.3, block_size=bs, layer=2,
+                                            num_splits=splits, interpret=True, return_lse=True)
+    np.testing.assert_allclose(np.asarray(got_o), np.asarray(ref), atol=2e-6)
+    qn, kn, bn = np.asarray(q, np.float64), np.asarray(k[2], np.float64), np.asarray(blocks)
+    for i, j, hh in np.ndindex(b, t, h):
+        g = hh // (h // kvh)
+        keys = [x for blk in bn[i, g, j] if blk >= 0 for x in range(blk * bs, min(blk * bs + bs, s))
+                if x <= positions[i, j] and x < lengths[i]]
+        want = np.log(np.sum(np.exp(0.3 * kn[i, g, keys] @ qn[i, j, hh]))) if keys else -np.inf
+        np.testing.assert_allclose(np.asarray(ref_lse)[i, j, hh], want, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(got_lse)[i, j, hh], want, rtol=1e-5)
     # all blocks selected = dense causal attention
     every = jnp.broadcast_to(jnp.arange(13, dtype=jnp.int32), (b, kvh, t, 13))
     every = jnp.where(every <= positions[:, None, :, None] // bs, every, -1)
