@@ -249,15 +249,28 @@ class Engine:
             return "dense"
         return attention_mode(self.model.sparse.dense_len, lo, hi)
 
+    def block_mode(self, cache: KVCache, ds: DecodeState, new_tokens: int) -> str:
+        """Attention mode of a decode block adding up to ``new_tokens`` per live row, from the lengths on
+        device (one sync when sparse)."""
+        if not self.model.sparse_active:
+            return "dense"
+        lengths, done = jax.device_get((cache.lengths, ds.done))
+        live = [int(n) for n, d in zip(lengths, done) if not d] or [0]
+        return self.attention_mode(min(live) + 1, max(live) + new_tokens)
+
+    def chunk_mode(self, start: list[int] | None, begin: int, num_valid) -> str:
+        """Attention mode of the prefill chunk at prompt offset ``begin`` with ``num_valid[i]`` tokens of
+        row i; ``start``: the rows' cached lengths before the prompt (None when not sparse)."""
+        if start is None:
+            return "dense"
+        reach = [start[i] + begin + int(n) for i, n in enumerate(num_valid) if n]
+        return self.attention_mode(min(reach), max(reach))
+
     def _decode(self, state, cache, ds, mode: str | None = None, sampling: str = "auto"):
         """One decode block. Without ``mode``, it is chosen from the lengths on device (one sync).
         ``sampling``: the static sampling path (:func:`~minicpm_jax.sampling.sampling_kind`)."""
         if mode is None:
-            mode = "dense"
-            if self.model.sparse_active:
-                lengths, done = jax.device_get((cache.lengths, ds.done))
-                live = [int(n) for n, d in zip(lengths, done) if not d] or [0]
-                mode = self.attention_mode(min(live) + 1, max(live) + self.decode_block)
+            mode = self.block_mode(cache, ds, self.decode_block)
         return self._executable("decode", None, state, cache, ds, mode=mode, sampling=sampling)(state, cache, ds)
 
     def compiled_decode_hlo(self, mode: str = "dense") -> str:
@@ -380,10 +393,7 @@ class Engine:
                 tokens[i, : len(piece)] = piece
                 num_valid[i] = len(piece)
             args = (self.state, self.cache, tokens, num_valid, logits)
-            mode = "dense"
-            if start is not None:
-                reach = [start[i] + begin + int(num_valid[i]) for i in range(self.batch_size) if num_valid[i]]
-                mode = self.attention_mode(min(reach), max(reach))
+            mode = self.chunk_mode(start, begin, num_valid)
             self.cache, logits = self._executable("prefill", c, *args, mode=mode)(*args)
             if on_prefill is not None:
                 logits.block_until_ready()

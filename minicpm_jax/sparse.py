@@ -34,6 +34,7 @@ from minicpm_jax.cache import KVCache
 from minicpm_jax.config import ModelConfig, SparseConfig
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.rope import apply_rope
+from minicpm_jax.topk import top_k
 from pallas_kernels.sparse_attention import (
     block_sparse_attention,
     block_sparse_attention_reference,
@@ -143,7 +144,7 @@ def select_blocks(
     block_score = jnp.where(forced, jnp.inf, block_score)
     block_score = jnp.where(blk > q_blk, -jnp.inf, block_score)
     k = min(sparse.num_selected, num_blocks)
-    _, idx = lax.top_k(block_score, k)
+    _, idx = top_k(block_score, k)
     big = jnp.int32(num_blocks)
     idx = jnp.sort(jnp.where(idx > q_blk, big, idx), axis=-1)
     return jnp.where(idx == big, -1, idx).astype(jnp.int32)

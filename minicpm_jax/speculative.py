@@ -37,11 +37,12 @@ from jax import lax
 from minicpm_jax.attention import TreeInputs
 from minicpm_jax.cache import KVCache
 from minicpm_jax.eagle import EagleDraft
-from minicpm_jax.engine import FINISH_LENGTH, FINISH_STOP, DecodeState, Engine
+from minicpm_jax.engine import FINISH_LENGTH, FINISH_STOP, MIN_CHUNK, DecodeState, Engine
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model import MiniCPMForCausalLM
 from minicpm_jax.sampling import sample
 from minicpm_jax.sparse import tree_depth_limit
+from minicpm_jax.topk import top_k
 from pallas_kernels.tree_attention import MAX_TREE_NODES
 
 
@@ -182,7 +183,7 @@ def _expand_tree(model, draft: EagleDraft, dcache: KVCache, h_last, head, ids, s
     b = h_last.shape[0]
     k, m = spec.topk_per_iter, spec.draft_slots
     to_token = (lambda i: i) if ids is None else (lambda i: ids[i])
-    score, idx = lax.top_k(draft_log_probs(model, draft, h_last, head), k)  # [B, k]
+    score, idx = top_k(draft_log_probs(model, draft, h_last, head), k)  # [B, k]
     tok = to_token(idx)
     cands_tok, cands_score, cands_parent, cands_depth = [tok], [score], [jnp.full((b, k), -1, jnp.int32)], [1]
     front_tok, front_score, front_id = tok, score, jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
@@ -195,7 +196,7 @@ def _expand_tree(model, draft: EagleDraft, dcache: KVCache, h_last, head, ids, s
         positions = jnp.broadcast_to(dcache.lengths[:, None] - 1 + i, (b, k))
         h, dcache = draft(_embed(model, front_tok), front_h, positions, jnp.ones((b, k), bool), dcache,
                           TreeInputs(dcache.lengths, mask, (i - 1) * k, window), from_target=False)
-        s, ix = lax.top_k(draft_log_probs(model, draft, h, head), k)  # [B, k, k]
+        s, ix = top_k(draft_log_probs(model, draft, h, head), k)  # [B, k, k]
         cum = (front_score[:, :, None] + s).reshape(b, k * k)
         new_tok = to_token(ix).reshape(b, k * k)
         cands_tok.append(new_tok)
@@ -422,7 +423,7 @@ class SpeculativeEngine(Engine):
     def _run_prefill(self, rows: list[list[int]], on_prefill) -> jax.Array:
         total = max(len(r) for r in rows)
         start = [int(n) for n in jax.device_get(self.cache.lengths)] if self.model.sparse_active else None
-        c = min(self.chunk_length, max(32, 1 << (total - 1).bit_length()))
+        c = min(self.chunk_length, max(MIN_CHUNK, 1 << (total - 1).bit_length()))
         logits = jnp.zeros((self.batch_size, self.config.vocab_size), jnp.float32)
         for begin in range(0, total, c):
             tokens = np.zeros((self.batch_size, c), np.int32)
@@ -436,10 +437,7 @@ class SpeculativeEngine(Engine):
                 num_valid[i], draft_valid[i] = len(piece), len(following)
             args = (self.state, self.dstate, self.cache, self.dcache, tokens, next_tokens, num_valid, draft_valid,
                     logits, self.last_feat)
-            mode = "dense"
-            if start is not None:  # as the plain engine: chosen on the host from the lengths
-                reach = [start[i] + begin + int(num_valid[i]) for i in range(self.batch_size) if num_valid[i]]
-                mode = self.attention_mode(min(reach), max(reach))
+            mode = self.chunk_mode(start, begin, num_valid)
             self.cache, self.dcache, logits, self.last_feat = self._executable("spec_prefill", c, *args,
                                                                                mode=mode)(*args)
             if on_prefill is not None:
@@ -459,11 +457,8 @@ class SpeculativeEngine(Engine):
         pending = None
         while not all(host_done):
             args = (self.state, self.dstate, self.head, self.ids, self.cache, ds, st)
-            mode = "dense"
-            if self.model.sparse_active:  # from the lengths (one sync a block), so rounds hold no conditional
-                lengths, done = jax.device_get((self.cache.lengths, ds.done))
-                live = [int(n) for n, d in zip(lengths, done) if not d] or [0]
-                mode = self.attention_mode(min(live) + 1, max(live) + self.decode_block * self.spec.max_accept)
+            # From the lengths (one sync a block when sparse), so rounds hold no conditional.
+            mode = self.block_mode(self.cache, ds, self.decode_block * self.spec.max_accept)
             self.cache, ds, st, block = self._executable("spec_decode", None, *args, sampling=self.sampling,
                                                          mode=mode)(*args)
             if pending is not None:
