@@ -20,6 +20,7 @@ from pallas_kernels.int4_matmul import Int4Config, choose_config, default_kernel
 from pallas_kernels.timing import device_loop_time
 
 L2_BYTES = 50 * 1024**2
+MIN_COPIES = 4  # weight copies per timed iteration, at least
 
 
 def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -54,12 +55,14 @@ def bench_linear(k: int, n: int, m: int, group_size: int, layouts: list[str], re
     for kpacked)."""
     int4_bytes = k * n // 2 + (k // group_size) * n * 2
     smoke = jax.default_backend() == "cpu"  # interpret-mode kernels: a few calls prove the harness runs
-    copies = 2 if smoke else max(2, min(32, -(-2 * L2_BYTES // int4_bytes)))
+    # At least 4 weight copies per timed iteration: with 2, the loop's own cost per iteration (10-20 us on
+    # an H100) showed in the per-call times of the largest linears (BENCHMARKS.md, 2026-11-23 second session).
+    copies = 2 if smoke else max(MIN_COPIES, min(32, -(-2 * L2_BYTES // int4_bytes)))
     key = jax.random.PRNGKey(k * 7 + n)
     x = jax.random.normal(key, (m, k), jnp.float32).astype(jnp.bfloat16)
     out: dict = {"k": k, "n": n, "m": m, "group_size": group_size, "int4_bytes": int4_bytes,
                  "bf16_bytes": k * n * 2, "io_bytes": (m * k + m * n) * 2, "seconds": {}}
-    bf16_copies = 2 if smoke else max(2, min(32, -(-2 * L2_BYTES // (k * n * 2))))
+    bf16_copies = 2 if smoke else max(MIN_COPIES, min(32, -(-2 * L2_BYTES // (k * n * 2))))
     ws = [(jax.random.normal(c, (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
           for c in jax.random.split(key, bf16_copies)]
     runs = {"bf16": (lambda x_, w_: [jnp.dot(x_, wc) for wc in w_], (x, ws), bf16_copies)}
