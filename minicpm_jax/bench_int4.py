@@ -21,6 +21,7 @@ from pallas_kernels.timing import device_loop_time
 
 L2_BYTES = 50 * 1024**2
 MIN_COPIES = 4  # weight copies per timed iteration, at least
+ITER_BYTES = 2e10  # int4 weight bytes read per timed run (sets the iteration count)
 
 
 def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -82,7 +83,10 @@ def bench_linear(k: int, n: int, m: int, group_size: int, layouts: list[str], re
                 lambda x_, q_, s_, layout=layout: [int4_matmul_reference(x_, qc, scc, group_size=group_size,
                                                                          layout=layout) for qc, scc in zip(q_, s_)],
                 (x, qw, sc), copies)
-    iters = 2 if smoke else max(3, min(100, int(1e9 // (int4_bytes * copies))))
+    # ~20 GB of weight reads per timed run (several ms): with ~1 GB (a few hundred µs) the fixed cost of
+    # launching the jitted loop showed in the per-call times (H200, 2026-11-23: gate_up GEMV 73.5 µs in the
+    # table vs 40 µs per kernel in a profile of the same call).
+    iters = 2 if smoke else max(10, min(400, int(ITER_BYTES // (int4_bytes * copies))))
     for name, (fn, args, n_copies) in runs.items():
         try:
             times = device_loop_time(fn, args, iters=iters, repeats=repeats, chain=0)  # x: tiny
