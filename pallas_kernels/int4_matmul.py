@@ -509,6 +509,11 @@ def _planes_matmul(x2, qweight, scales, zeros, perm, cfg: Int4Config, num_splits
         x_spec = pl.BlockSpec((8, block_m, k // 8), lambda i, j, s: (0, i, 0))
     in_specs = [x_spec, pl.BlockSpec((k // 8, block_n), lambda i, j, s: (0, j)),
                 pl.BlockSpec((groups, block_n), lambda i, j, s: (0, j))]
+    if mode != "gemv":
+        # x2 is materialized before its planes are cut: otherwise XLA fuses the producer (e.g. the tree
+        # attention's split combine, a 33-way reduction) into the plane transpose, whose emitter then
+        # recomputes it with strided reads (15.6 of 18 us per layer in an int4 12-node verify, H200).
+        x2 = lax.optimization_barrier(x2)
     args = [_planes_x(x2, mode == "dot_t", dtype), qweight, scales]
     if zeros is not None:
         xs = x2.astype(jnp.float32).reshape(m_pad, k // chunk, chunk).sum(-1)  # [m, chunks of K]
