@@ -4,7 +4,8 @@ attention, one layer at the shape's attention dims (bf16, batch 1), random q/k/v
 * prefill — the attention of a whole ``L``-token prompt, run as the engine runs it: chunks of
   ``chunk`` queries, each extending the compressed caches and switching to sparse once the sequence
   reaches ``dense_len``; against the dense flash kernel over the same chunks. Also timed: the sparse
-  path without stage 2 (compression + stage-1 scores + selection), to split the cost.
+  path without stage 2 (compression + stage-1 scores + selection, with the selection kernel and with XLA's
+  top-k + sort), to split the cost.
 * decode — one query token against an ``L``-token cache: stage-1 scores + block selection + block-sparse
   attention against the flash-decoding kernel. Calls cycle through several layers' caches so the bytes
   come from HBM, not L2. (The compressed-cache extension of a decode step is an in-place write of one
@@ -81,14 +82,15 @@ def bench_sparse_prefill(config: ModelConfig, sparse: SparseConfig, length: int,
                 out = dense()
             else:
                 cache = extend_compressed(cache, 0, kv_len - chunk, kv_len, sparse, max_tokens=chunk)
-                if mode in ("scores", "select"):  # the stages before the block-sparse attention
+                if mode in ("scores", "select", "select_xla"):  # the stages before the block-sparse attention
                     def sparse_fn():
                         s = compressed_scores(q, cache.k1, cache.k2, pos, scale=scale, kernel1=sparse.kernel_size,
                                               stride1=sparse.kernel_stride, kernel2=sparse.kernel_size2,
                                               stride2=sparse.kernel_stride2, layer=0)
                         if mode == "scores":
                             return jnp.broadcast_to(jnp.sum(s[..., :64]).astype(q.dtype), q.shape)
-                        blocks = select_blocks(s, pos, kv_len, sparse, -(-length // sparse.block_size))
+                        blocks = select_blocks(s, pos, kv_len, sparse, -(-length // sparse.block_size),
+                                               impl="xla" if mode == "select_xla" else "pallas")
                         return jnp.broadcast_to(jnp.sum(blocks).astype(q.dtype), q.shape)
                 else:
                     sparse_fn = lambda: sparse_attention(q, q, cache, 0, pos, kv_len, sparse, scale=scale,  # noqa: E731
@@ -99,7 +101,8 @@ def bench_sparse_prefill(config: ModelConfig, sparse: SparseConfig, length: int,
         return lambda cache_: lax.fori_loop(0, n_chunks, body, (cache_, jnp.zeros((), jnp.float32)))[1]
 
     print(f"  sparse prefill attention L={length} chunk={chunk}", file=sys.stderr, flush=True)
-    seconds = {mode: _timed(run(mode), (cache,), repeats) for mode in ("dense", "sparse", "scores", "select")}
+    seconds = {mode: _timed(run(mode), (cache,), repeats)
+               for mode in ("dense", "sparse", "scores", "select", "select_xla")}
     print(f"    {seconds}", file=sys.stderr, flush=True)
     return {"context": length, "chunk": chunk, "seconds": seconds}
 
@@ -122,13 +125,13 @@ def bench_sparse_decode(config: ModelConfig, sparse: SparseConfig, length: int, 
     def full(q_, c, p_):
         return [sparse_attention(q_, q_, c, i, p_, c.lengths, sparse, scale=scale, impl="pallas") for i in range(layers)]
 
-    def select(q_, c, p_, scores_only=False):
+    def select(q_, c, p_, scores_only=False, impl="pallas"):
         out = []
         for i in range(layers):
             s = compressed_scores(q_, c.k1, c.k2, p_, scale=scale, kernel1=sparse.kernel_size,
                                   stride1=sparse.kernel_stride, kernel2=sparse.kernel_size2,
                                   stride2=sparse.kernel_stride2, layer=i)
-            out.append(s[..., :64] if scores_only else select_blocks(s, p_, c.lengths, sparse, n_blocks))
+            out.append(s[..., :64] if scores_only else select_blocks(s, p_, c.lengths, sparse, n_blocks, impl=impl))
         return out
 
     def attend_only(q_, c, p_, blocks):
@@ -144,6 +147,8 @@ def bench_sparse_decode(config: ModelConfig, sparse: SparseConfig, length: int, 
         "scores": device_loop_time(lambda *a: select(*a, scores_only=True), (q, cache, pos), iters=iters,
                                    repeats=repeats),
         "select": device_loop_time(select, (q, cache, pos), iters=iters, repeats=repeats),
+        "select_xla": device_loop_time(lambda *a: select(*a, impl="xla"), (q, cache, pos), iters=iters,
+                                       repeats=repeats),
         "stage2": device_loop_time(lambda q_, c, b, p_: attend_only(q_, c, p_, b), (q, cache, blocks, pos),
                                    iters=iters, repeats=repeats),
     }
@@ -179,20 +184,23 @@ def sparse_markdown(r: dict) -> str:
         f"InfLLM-v2 attention, one layer ({h} q heads, {kvh} KV heads, head_dim {d}, bf16, batch 1); sparse_config "
         + ", ".join(f"{k} {v}" for k, v in sc.items()),
         "",
-        "| prefill prompt | chunk | dense flash ms | sparse ms | speed-up | of which stage 1 ms | block selection ms |",
+        "| prefill prompt | chunk | dense flash ms | sparse ms | speed-up | of which stage 1 ms | block selection ms "
+        "(kernel / XLA top-k + sort) |",
         "|---|---|---|---|---|---|---|",
     ]
+    med = statistics.median
     for p in r["prefill"]:
         s = p["seconds"]
+        xla = f" / {1e3 * (med(s['select_xla']) - med(s['scores'])):.3f}" if "select_xla" in s else ""
         lines.append(f"| {p['context']} | {p['chunk']} | {_ms(s['dense'])} | {_ms(s['sparse'])} | "
-                     f"{statistics.median(s['dense']) / statistics.median(s['sparse']):.2f}x | {_ms(s['scores'])} | "
-                     f"{1e3 * (statistics.median(s['select']) - statistics.median(s['scores'])):.3f} |")
+                     f"{med(s['dense']) / med(s['sparse']):.2f}x | {_ms(s['scores'])} | "
+                     f"{1e3 * (med(s['select']) - med(s['scores'])):.3f}{xla} |")
     lines += ["", "| decode context | blocks attended | dense flash-decoding µs | sparse µs | speed-up | "
-                  "stage 1 µs | stage 1 + selection µs | stage 2 µs |", "|---|---|---|---|---|---|---|---|"]
+                  "stage 1 µs | stage 1 + selection µs (kernel / XLA) | stage 2 µs |", "|---|---|---|---|---|---|---|---|"]
     for p in r["decode"]:
         s = p["seconds"]
+        xla = f" / {_us(s['select_xla'])}" if "select_xla" in s else ""
         lines.append(f"| {p['context']} | {p['selected_blocks']} | {_us(s['dense'])} | {_us(s['sparse'])} | "
-                     f"{statistics.median(s['dense']) / statistics.median(s['sparse']):.2f}x | {_us(s['scores'])} | "
-                     f"{_us(s['select'])} | "
-                     f"{_us(s['stage2'])} |")
+                     f"{med(s['dense']) / med(s['sparse']):.2f}x | {_us(s['scores'])} | "
+                     f"{_us(s['select'])}{xla} | {_us(s['stage2'])} |")
     return "\n".join(lines)

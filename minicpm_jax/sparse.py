@@ -43,6 +43,8 @@ from pallas_kernels.sparse_attention import (
     compressed_scores,
     compressed_scores_reference,
     compressed_visible,
+    select_top_blocks,
+    select_top_blocks_reference,
 )
 
 SPARSE_CHOICES = ("auto", "on", "off")
@@ -117,10 +119,12 @@ def extend_compressed(
 
 
 def select_blocks(
-    scores: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array, sparse: SparseConfig, num_blocks: int
+    scores: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array, sparse: SparseConfig, num_blocks: int,
+    *, impl: str = "xla",
 ) -> jax.Array:
     """Stage-1 scores ``fp32[B, KVH, T, N1]`` → attended blocks ``int32[B, KVH, T, K]``, ascending, padded
-    with -1 at the end (``K = min(topk + window_size/block_size, num_blocks)``).
+    with -1 at the end (``K = min(topk + window_size/block_size, num_blocks)``). The pooling runs in XLA;
+    the pick runs in the ``select_top_blocks`` kernel (``impl="pallas"``) or as top-k + sort (``"xla"``).
 
     Entries a query cannot see score 0 (entries that do not exist yet are left out of the pooling), as
     in HF's causal stage 1; ``scores`` may hold anything there.
@@ -144,10 +148,10 @@ def select_blocks(
     block_score = jnp.where(forced, jnp.inf, block_score)
     block_score = jnp.where(blk > q_blk, -jnp.inf, block_score)
     k = min(sparse.num_selected, num_blocks)
-    _, idx = top_k(block_score, k)
-    big = jnp.int32(num_blocks)
-    idx = jnp.sort(jnp.where(idx > q_blk, big, idx), axis=-1)
-    return jnp.where(idx == big, -1, idx).astype(jnp.int32)
+    limit = jnp.broadcast_to(q_blk[..., 0], block_score.shape[:-1])
+    if impl == "pallas":
+        return select_top_blocks(block_score, limit, k=k)
+    return select_top_blocks_reference(block_score, limit, k=k, top_k=top_k)
 
 
 def sparse_attention(
@@ -163,7 +167,7 @@ def sparse_attention(
                        stride1=sparse.kernel_stride, kernel2=sparse.kernel_size2, stride2=sparse.kernel_stride2,
                        layer=layer)
     num_blocks = -(-cache.max_length // sparse.block_size)
-    blocks = select_blocks(scores, q_positions, kv_lengths, sparse, num_blocks)
+    blocks = select_blocks(scores, q_positions, kv_lengths, sparse, num_blocks, impl=impl)
     return attend_fn(q, cache.k, cache.v, q_positions, kv_lengths, blocks, scale=scale,
                      block_size=sparse.block_size, layer=layer)
 
@@ -229,7 +233,7 @@ def tree_sparse_attention(
                        stride1=sparse.kernel_stride, kernel2=k2_size, stride2=k2_stride, layer=layer,
                        extra_logits=extra)
     num_blocks = -(-cache.max_length // sparse.block_size)
-    blocks = select_blocks(scores, positions, prefix, sparse, num_blocks)
+    blocks = select_blocks(scores, positions, prefix, sparse, num_blocks, impl=impl)
     # (3) The prefix's selected blocks, and the ancestors; merged by their log-sum-exps.
     out_p, lse_p = attend_fn(q, cache.k, cache.v, positions, prefix, blocks, scale=scale,
                              block_size=sparse.block_size, layer=layer, return_lse=True)

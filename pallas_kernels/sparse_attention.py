@@ -6,6 +6,8 @@ Each Pallas kernel sits beside a plain-jnp reference with the same signature.
   ``q_h . K2 * scale`` over the coarse keys. Compressed key ``j`` (window ``[stride*j, stride*j + kernel)``)
   is visible to a query at position ``p`` iff its whole window lies at or before ``p``; invisible entries
   score 0, and so does a row that sees no coarse key (HF turns those NaN rows into 0).
+* :func:`select_top_blocks_reference` / :func:`select_top_blocks` — the ``k`` best-scoring blocks of each
+  row, ascending (the kernel: a bitwise threshold search and a stable partition instead of top-k + sort).
 * :func:`block_sparse_attention_reference` / :func:`block_sparse_attention` — causal attention of each
   query over the keys of its selected ``block_size``-token blocks, the selection shared by the query heads
   of a KV group.
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.attention import _LOG2E, _MASKED, _attend_block, _layer_view, merge_splits
 from pallas_kernels.backend import KernelConfig, launch_options, next_power_of_2, num_cores
@@ -232,6 +235,75 @@ def compressed_scores(
     )(qr, row_pos, lse, k1)
     out = out.reshape(b, kvh, n_t, out_rows, n1)[:, :, :, :tokens].reshape(b, kvh, t_pad, n1)
     return out[:, :, :t] if t_pad != t else out
+
+
+# ------------------------------------------------------------------------------------------ block selection
+
+
+def select_top_blocks_reference(block_score: jax.Array, limit: jax.Array, *, k: int, top_k=lax.top_k) -> jax.Array:
+    """The ``k`` best blocks of every row: ``block_score fp32[..., NB]``, ``limit int32[...]`` → ``int32[..., k]``.
+
+    Ties go to the lower block index (as ``lax.top_k``); picked blocks past ``limit`` are dropped; the rest
+    come in ascending order, padded with -1 at the end. ``top_k``: a drop-in for ``lax.top_k``."""
+    nb = block_score.shape[-1]
+    _, idx = top_k(block_score, k)
+    big = jnp.int32(nb)
+    idx = jnp.sort(jnp.where(idx > limit[..., None], big, idx), axis=-1)
+    return jnp.where(idx == big, -1, idx).astype(jnp.int32)
+
+
+_INT32_MIN = -(2**31)
+
+
+def _select_kernel(lim_ref, s_ref, o_ref, *, k: int):
+    """One row: the k-th largest score by a 32-step bitwise search over order-preserving int32 keys, then
+    the picks (ties by lowest index) written at their ranks: a stable partition of the row's indices,
+    picked ones first, of which the first ``o_ref.shape[0]`` slots are stored (no sort, no top-k)."""
+    nbp, width = s_ref.shape[0], o_ref.shape[0]
+    bits = lax.bitcast_convert_type(s_ref[...], jnp.int32)
+    key = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # the floats' order; -0.0 just below +0.0 (as lax.top_k)
+
+    def search(i, t):  # t: the threshold's bits so far, in unsigned order (the int32 sign bit flipped)
+        cand = t | lax.shift_left(jnp.int32(1), 31 - i)
+        enough = jnp.sum((key >= (cand ^ _INT32_MIN)).astype(jnp.int32)) >= k
+        return jnp.where(enough, cand, t)
+
+    kth = lax.fori_loop(0, 32, search, jnp.int32(0)) ^ _INT32_MIN  # the k-th largest key
+    above = key > kth
+    tie = key == kth
+    need = k - jnp.sum(above.astype(jnp.int32))
+    idx = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
+    take = (above | (tie & (jnp.cumsum(tie.astype(jnp.int32)) <= need))) & (idx <= lim_ref[0])
+    rank = jnp.cumsum(take.astype(jnp.int32))  # inclusive
+    total = jnp.sum(take.astype(jnp.int32))
+    pos = jnp.where(take, rank - 1, total + idx - rank)  # a permutation of 0..nbp-1
+    plt.store(o_ref.at[pos], jnp.where(take, idx, -1), mask=pos < width)
+
+
+def select_top_blocks(block_score: jax.Array, limit: jax.Array, *, k: int, interpret: bool | None = None) -> jax.Array:
+    """Pallas version of :func:`select_top_blocks_reference` (same result, bit for bit): one program per row.
+
+    XLA's top-k and sort cost 20+ µs for the 2 rows of a decode step (one thread block per row) and
+    0.45 ms for a 2048-token prefill chunk's 4096 rows at 128K; this kernel reads each row once."""
+    lead, nb = block_score.shape[:-1], block_score.shape[-1]
+    if not 0 < k <= nb:
+        raise ValueError(f"k={k} must be in 1..{nb} (the number of blocks)")
+    nbp, width = next_power_of_2(nb), next_power_of_2(k)
+    rows = block_score.reshape(-1, nb).astype(jnp.float32)
+    if nbp != nb:  # pad blocks score -inf and lie past every limit (never kept)
+        rows = jnp.pad(rows, ((0, 0), (0, nbp - nb)), constant_values=-jnp.inf)
+    lim = jnp.broadcast_to(limit, lead).reshape(-1, 1).astype(jnp.int32)
+    cfg = KernelConfig(block_q=1, block_k=nbp, num_warps=4 if nbp <= 2048 else 8, num_stages=1)
+    out = pl.pallas_call(
+        functools.partial(_select_kernel, k=k),
+        grid=(rows.shape[0],),
+        in_specs=[pl.BlockSpec((None, 1), lambda r: (r, 0)), pl.BlockSpec((None, nbp), lambda r: (r, 0))],
+        out_specs=pl.BlockSpec((None, width), lambda r: (r, 0)),
+        out_shape=jax.ShapeDtypeStruct((rows.shape[0], width), jnp.int32),
+        name="minicpm_select_blocks",
+        **launch_options(cfg, interpret),
+    )(lim, rows)
+    return out[:, :k].reshape(*lead, k)
 
 
 # ------------------------------------------------------------------------------------------------ stage 2

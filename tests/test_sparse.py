@@ -33,6 +33,8 @@ from pallas_kernels.sparse_attention import (
     block_sparse_attention_reference,
     compressed_scores,
     compressed_scores_reference,
+    select_top_blocks,
+    select_top_blocks_reference,
 )
 from tests import helpers
 
@@ -138,6 +140,9 @@ def test_stage1_scores_and_selection_match_numpy_formulas():
                                           scale=scale, interpret=True, **_score_kw(sp)))
     blocks = np.asarray(select_blocks(jnp.asarray(ref), jnp.asarray(positions), jnp.asarray(lengths), sp,
                                       -(-s // sp.block_size)))
+    blocks_kernel = np.asarray(select_blocks(jnp.asarray(ref), jnp.asarray(positions), jnp.asarray(lengths), sp,
+                                             -(-s // sp.block_size), impl="pallas"))
+    np.testing.assert_array_equal(blocks_kernel, blocks)
     for i in range(b):
         for g in range(kvh):
             for t, pos in enumerate(positions[i]):
@@ -151,6 +156,41 @@ def test_stage1_scores_and_selection_match_numpy_formulas():
                 # ascending, valid entries first
                 row = list(blocks[i, g, t])
                 assert row == sorted(x for x in row if x >= 0) + [-1] * row.count(-1)
+
+
+def np_pick(row: np.ndarray, limit: int, k: int) -> list[int]:
+    """NumPy re-derivation of the pick: the k best entries by (score descending, +0.0 before -0.0, index
+    ascending), those past ``limit`` dropped, ascending, padded with -1."""
+    order = sorted(range(len(row)), key=lambda i: (-row[i], bool(np.signbit(row[i])), i))[:k]
+    kept = sorted(i for i in order if i <= limit)
+    return kept + [-1] * (k - len(kept))
+
+
+@pytest.mark.parametrize("nb,k", [(128, 96), (130, 96), (64, 64), (300, 7), (16, 16)])
+def test_select_top_blocks_kernel_matches_numpy_and_reference(nb, k):
+    """Heavy ties, ±inf rows and entries, -0.0 vs +0.0, limits below / inside / past the row, a block
+    count that is not a power of two (padded in the kernel) and k equal to the padded output width."""
+    rng = np.random.default_rng(nb + k)
+    x = rng.integers(-4, 4, (3, 4, nb)).astype(np.float32)  # [B, KVH, NB]-shaped leading dims
+    x[0, 0] = -np.inf
+    x[0, 1, 5:] = -np.inf
+    x[0, 2, ::3] = np.inf
+    x[0, 3] = 0.0
+    x[0, 3, : nb // 2] = -0.0  # k of the zeros: -0.0 ranks below +0.0 (as in lax.top_k)
+    x[1] = rng.standard_normal((4, nb)).astype(np.float32)
+    x[2, :, : nb // 2] = 0.0
+    limit = rng.integers(0, nb + 3, (3, 4)).astype(np.int32)
+    limit[0, :2] = nb - 1
+    limit[2, 0] = 0
+    got = np.asarray(select_top_blocks(jnp.asarray(x), jnp.asarray(limit), k=k, interpret=True))
+    ref = np.asarray(select_top_blocks_reference(jnp.asarray(x), jnp.asarray(limit), k=k))
+    assert got.shape == (3, 4, k) and got.dtype == np.int32
+    np.testing.assert_array_equal(got, ref)
+    for i in range(3):
+        for j in range(4):
+            assert got[i, j].tolist() == np_pick(x[i, j], int(limit[i, j]), k), (i, j)
+    with pytest.raises(ValueError, match="k=0"):
+        select_top_blocks(jnp.asarray(x), jnp.asarray(limit), k=0, interpret=True)
 
 
 def test_stage1_extra_coarse_key_joins_the_lse():

@@ -22,6 +22,8 @@ from pallas_kernels.sparse_attention import (
     compressed_scores,
     compressed_scores_reference,
     compressed_visible,
+    select_top_blocks,
+    select_top_blocks_reference,
 )
 from tests import helpers
 from tests.test_sparse import SMALL
@@ -61,12 +63,33 @@ def test_gpu_sparse_kernels_at_8b_dims(length, t):
                                                                          sel_got.reshape(-1, sel_got.shape[-1]))])
     assert agree > 0.97  # bf16 near-ties may swap a block
     assert (sel_ref >= 0).sum(-1).min() == 96
+    # The selection kernel picks exactly what XLA's top-k + sort pick from the same scores.
+    sel_kernel = np.asarray(jax.jit(lambda s_, p_, l_: select_blocks(s_, p_, l_, sparse, n_blocks, impl="pallas"))(
+        got, pos, cache.lengths))
+    np.testing.assert_array_equal(sel_kernel, sel_got)
     blocks = jnp.asarray(sel_ref)
     want = block_sparse_attention_reference(q, cache.k, cache.v, pos, cache.lengths, blocks, scale=128**-0.5,
                                             block_size=64, layer=1)
     out = jax.jit(lambda *a: block_sparse_attention(*a, scale=128**-0.5, block_size=64, layer=1))(
         q, cache.k, cache.v, pos, cache.lengths, blocks)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2e-2)
+
+
+@pytest.mark.parametrize("rows,nb,k", [(2, 2051, 96), (4096, 2048, 96), (64, 4096, 128), (8, 300, 7)])
+def test_gpu_select_top_blocks_kernel_matches_reference(rows, nb, k):
+    """The Triton-compiled selection kernel against lax.top_k + sort on the GPU: decode (2 rows of a 128K
+    cache's 2051 blocks, padded to 4096), a 2048-token prefill chunk, k equal to the output width, and
+    scores with ties, +inf (forced) and -inf (future) blocks."""
+    rng = np.random.default_rng(rows + nb)
+    x = rng.random((rows, nb)).astype(np.float32)
+    x[::2] = np.round(x[::2] * 8) / 8  # ties
+    limit = rng.integers(k // 2, nb + 2, rows).astype(np.int32)
+    x[:, :1] = np.inf
+    x[np.arange(nb)[None, :] > limit[:, None]] = -np.inf
+    xs, ls = jnp.asarray(x), jnp.asarray(limit)
+    got = np.asarray(jax.jit(lambda a, b: select_top_blocks(a, b, k=k))(xs, ls))
+    want = np.asarray(jax.jit(lambda a, b: select_top_blocks_reference(a, b, k=k))(xs, ls))
+    np.testing.assert_array_equal(got, want)
 
 
 def test_gpu_compress_step_at_8b_dims():
