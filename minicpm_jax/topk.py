@@ -27,10 +27,10 @@ def top_k(x: jax.Array, k: int, *, chunk: int = CHUNK) -> tuple[jax.Array, jax.A
         raise ValueError(f"top_k needs 0 < k <= {n} (the last axis), got k={k}")
     if n <= 2 * chunk or k > chunk // 4:
         return lax.top_k(x, k)
-    return two_stage_top_k(x, k, chunk)
+    return _two_stage_top_k(x, k, chunk)
 
 
-def two_stage_top_k(x: jax.Array, k: int, chunk: int) -> tuple[jax.Array, jax.Array]:
+def _two_stage_top_k(x: jax.Array, k: int, chunk: int) -> tuple[jax.Array, jax.Array]:
     """:func:`top_k` always in two stages (``k <= chunk``)."""
     n = x.shape[-1]
     c = -(-n // chunk)
