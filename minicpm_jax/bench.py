@@ -79,6 +79,12 @@ SHAPES = {
         num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=32768, scale_emb=12,
         scale_depth=1.4, dim_model_base=256, tie_word_embeddings=True,
     ),
+    # MiniCPM4's structure (scalings, untied head, GQA) at toy size: CPU smoke runs of every scenario.
+    "minicpm4-tiny": dict(
+        model_type="minicpm", vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, scale_emb=12,
+        scale_depth=1.4, dim_model_base=256, tie_word_embeddings=False,
+    ),
     "smollm2-135m": dict(
         model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,

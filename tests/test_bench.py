@@ -36,7 +36,7 @@ def test_bench_smoke_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     md = tmp_path / "bench.md"
     png = tmp_path / "bench.png"
-    r = _bench("--scenarios", "kernels,e2e", "--shape", "smollm2-135m", "--contexts", "40", "--attention_impls",
+    r = _bench("--scenarios", "kernels,e2e", "--shape", "minicpm4-tiny", "--contexts", "40", "--attention_impls",
                "xla,pallas", "--prefill_contexts", "32", "--decode_contexts", "64", "--decode_steps", "4",
                "--decode_block", "2", "--chunk_length", "32", "--dtype", "float32", "--repeats", "1",
                "--json_out", str(out), "--markdown_out", str(md), "--plot", str(png))
@@ -50,14 +50,14 @@ def test_bench_smoke_on_cpu(tmp_path):
         assert isinstance(sec["pallas"], list) and sec["pallas"][0] > 0
         assert isinstance(sec["xla"], list) and sec["xla"][0] > 0
         assert isinstance(sec["cudnn"], str)  # no cuDNN on the CPU: reported, not fatal
-    assert "| smollm2-135m | pallas | none | off | 1 | 40 |" in r.stdout and md.read_text().strip() == r.stdout.strip()
+    assert "| minicpm4-tiny | pallas | none | off | 1 | 40 |" in r.stdout and md.read_text().strip() == r.stdout.strip()
     assert png.stat().st_size > 1000
 
 
 def test_bench_int4_smoke_on_cpu(tmp_path):
     """The int4 scenario times the dequant-GEMM per linear shape; e2e runs dense and int4 rows side by side."""
     out = tmp_path / "bench.json"
-    r = _bench("--scenarios", "int4,e2e", "--shape", "smollm2-135m", "--contexts", "24", "--attention_impls", "xla",
+    r = _bench("--scenarios", "int4,e2e", "--shape", "minicpm4-tiny", "--contexts", "24", "--attention_impls", "xla",
                "--quants", "none,int4", "--quant_group_size", "64", "--int4_ms", "1", "--int4_layouts", "kpacked",
                "--int4_kernels", "auto,tile", "--decode_steps", "3", "--decode_block", "2", "--chunk_length", "32", "--dtype", "float32",
                "--repeats", "1", "--json_out", str(out))
@@ -66,19 +66,19 @@ def test_bench_int4_smoke_on_cpu(tmp_path):
     assert [row["quant"] for row in result["rows"]] == ["none", "int4 g64"]
     assert all(row["decode_ms_per_token"][0] > 0 for row in result["rows"])
     rows = result["int4"]["rows"]
-    assert [row["name"] for row in rows] == ["qkv", "o", "gate_up", "down"] and rows[0]["k"] == 576
+    assert [row["name"] for row in rows] == ["qkv", "o", "gate_up", "down"] and rows[0]["k"] == 256
     for row in rows:
         assert row["seconds"]["bf16"][0] > 0 and row["seconds"]["int4_kpacked"][0] > 0
         assert row["seconds"]["int4_kpacked_tile"][0] > 0 and row["config"]["kernel"] == "planes"
     assert "int4_kpacked_tile µs" in r.stdout
-    assert "| smollm2-135m | xla | int4 g64 | off | 1 | 24 |" in r.stdout and "int4 dequant-GEMM, group 64" in r.stdout
+    assert "| minicpm4-tiny | xla | int4 g64 | off | 1 | 24 |" in r.stdout and "int4 dequant-GEMM, group 64" in r.stdout
 
 
 def test_bench_sparse_smoke_on_cpu(tmp_path):
     """The sparse scenario times dense and InfLLM-v2 attention of one layer (prefill and decode) and
     writes its tables; e2e takes --sparse_modes."""
     out = tmp_path / "bench.json"
-    r = _bench("--scenarios", "sparse", "--shape", "smollm2-135m", "--sparse_prefill_contexts", "256",
+    r = _bench("--scenarios", "sparse", "--shape", "minicpm4-tiny", "--sparse_prefill_contexts", "256",
                "--sparse_decode_contexts", "256", "--chunk_length", "128", "--repeats", "1", "--json_out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())["sparse"]
@@ -94,7 +94,7 @@ def test_bench_sparse_smoke_on_cpu(tmp_path):
 def test_bench_spec_smoke_on_cpu(tmp_path):
     """The spec scenario times verify forwards and oracle rounds, and the oracle forces the accept length."""
     out = tmp_path / "bench.json"
-    r = _bench("--scenarios", "spec", "--shape", "smollm2-135m", "--spec_context", "48", "--spec_tree_sizes", "8",
+    r = _bench("--scenarios", "spec", "--shape", "minicpm4-tiny", "--spec_context", "48", "--spec_tree_sizes", "8",
                "--spec_oracle_tree_size", "12", "--spec_frspec_vocab", "512", "--decode_steps", "13", "--repeats", "1",
                "--dtype", "float32", "--json_out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -145,7 +145,7 @@ def test_hf_peer_rows_on_cpu():
     """The HF peer's measuring loop (run on the GPU by --peer hf) on a small shape on the CPU."""
     pytest.importorskip("torch")
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-m", "minicpm_jax.bench_hf", "--shape", "smollm2-135m", "--contexts", "16,24",
+    r = subprocess.run([sys.executable, "-m", "minicpm_jax.bench_hf", "--shape", "minicpm4-tiny", "--contexts", "16,24",
                         "--decode_steps", "3", "--attn", "eager,sdpa", "--repeats", "2", "--device", "cpu"],
                        capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
