@@ -43,6 +43,8 @@ from pallas_kernels.sparse_attention import (
     compressed_scores,
     compressed_scores_reference,
     compressed_visible,
+    local_window_attention,
+    merge_attention,
     select_top_blocks,
     select_top_blocks_reference,
 )
@@ -156,11 +158,13 @@ def select_blocks(
 
 def sparse_attention(
     q: jax.Array, q_select: jax.Array, cache: KVCache, layer: int, q_positions: jax.Array, kv_lengths: jax.Array,
-    sparse: SparseConfig, *, scale: float, impl: str,
+    sparse: SparseConfig, *, scale: float, impl: str, split_window: bool = True,
 ) -> jax.Array:
     """InfLLM-v2 attention of ``q [B, T, H, D]`` (post-RoPE) over ``layer`` of the cache: stage-1 scores
     of ``q_select`` (``q``, or pre-RoPE q with ``use_nope``) against K1/K2, block selection, block-sparse
-    attention. ``impl``: ``pallas`` kernels or the ``xla`` references. Returns ``[B, T, H, D]``."""
+    attention. ``impl``: ``pallas`` kernels or the ``xla`` references. ``split_window=False`` keeps a Pallas
+    prefill chunk in one block-sparse pass (see :func:`splits_local_window`; for benchmarks). Returns
+    ``[B, T, H, D]``."""
     scores_fn, attend_fn = ((compressed_scores, block_sparse_attention) if impl == "pallas" else
                             (compressed_scores_reference, block_sparse_attention_reference))
     scores = scores_fn(q_select, cache.k1, cache.k2, q_positions, scale=scale, kernel1=sparse.kernel_size,
@@ -168,8 +172,32 @@ def sparse_attention(
                        layer=layer)
     num_blocks = -(-cache.max_length // sparse.block_size)
     blocks = select_blocks(scores, q_positions, kv_lengths, sparse, num_blocks, impl=impl)
-    return attend_fn(q, cache.k, cache.v, q_positions, kv_lengths, blocks, scale=scale,
-                     block_size=sparse.block_size, layer=layer)
+    if not (split_window and splits_local_window(sparse, q.shape[1], impl)):
+        return attend_fn(q, cache.k, cache.v, q_positions, kv_lengths, blocks, scale=scale,
+                         block_size=sparse.block_size, layer=layer)
+    # Prefill chunk: the forced local window (the last local_blocks + 1 of each query's ascending selection)
+    # runs as flash attention tiled over tokens; the per-token kernel only reads the blocks below it.
+    lo_blk = jnp.maximum(q_positions // sparse.block_size - sparse.local_blocks, 0)[:, None, :, None]
+    far = jnp.where(blocks < lo_blk, blocks, -1)  # still valid entries first
+    parts = [
+        block_sparse_attention(q, cache.k, cache.v, q_positions, kv_lengths, far, scale=scale,
+                               block_size=sparse.block_size, layer=layer, return_lse=True, whole_blocks=True),
+        local_window_attention(q, cache.k, cache.v, q_positions, kv_lengths, scale=scale,
+                               block_size=sparse.block_size, local_blocks=sparse.local_blocks, layer=layer),
+    ]
+    return merge_attention(parts).astype(q.dtype)
+
+
+# Query tokens above which a Pallas prefill chunk attends its local windows with the window kernel.
+LOCAL_WINDOW_MIN_TOKENS = 16
+
+
+def splits_local_window(sparse: SparseConfig, tokens: int, impl: str) -> bool:
+    """Whether :func:`sparse_attention` splits stage 2 into the local window and the blocks below it:
+    Pallas prefill chunks, when every query's window is inside its selection (``topk > init_blocks``;
+    the init blocks and the window's ``local_blocks + 1`` blocks all score +inf and ``topk +
+    local_blocks`` are kept)."""
+    return impl == "pallas" and tokens > LOCAL_WINDOW_MIN_TOKENS and sparse.topk > sparse.init_blocks
 
 
 def tree_depth_limit(sparse: SparseConfig) -> int:

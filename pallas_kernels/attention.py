@@ -170,6 +170,19 @@ def _prefill_kernel(len_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, *, qk_scale, b
     o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
 
 
+def pad_query_blocks(q: jax.Array, q_positions: jax.Array, block_q: int) -> tuple[jax.Array, jax.Array, int]:
+    """Pads the ``T`` query tokens of ``q [B, T, H, D]`` to a multiple of the query block (``block_q``,
+    shrunk to a power of 2 >= 16 that covers short chunks). Pad rows repeat the last position (keeping a
+    block's min/max) and are dropped by the caller. Returns (q, q_positions, query block)."""
+    t = q.shape[1]
+    block_q = min(block_q, max(16, next_power_of_2(t)))
+    t_pad = pl.cdiv(t, block_q) * block_q
+    if t_pad != t:
+        q = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
+        q_positions = jnp.pad(q_positions, ((0, 0), (0, t_pad - t)), mode="edge")
+    return q, q_positions, block_q
+
+
 def prefill_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array, *,
     scale: float, layer: int | None = None, config: KernelConfig | None = None, interpret: bool | None = None,
@@ -185,11 +198,8 @@ def prefill_attention(
     kvh, s = k.shape[2], k.shape[3]
     group = h // kvh
     cfg = config or tuned_config("prefill", d)
-    block_q = min(cfg.block_q, max(16, next_power_of_2(t)))
-    t_pad = pl.cdiv(t, block_q) * block_q
-    if t_pad != t:  # pad rows repeat the last position (keeps the block's min/max) and are dropped after
-        q = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
-        q_positions = jnp.pad(q_positions, ((0, 0), (0, t_pad - t)), mode="edge")
+    q, q_positions, block_q = pad_query_blocks(q, q_positions, cfg.block_q)
+    t_pad = q.shape[1]
     n_q = t_pad // block_q
     kernel = functools.partial(_prefill_kernel, qk_scale=scale * _LOG2E, block_k=_key_block(cfg.block_k, s))
     # Query blocks run last-first: the longest causal rows start first and the tail balances the grid.

@@ -11,6 +11,10 @@ Each Pallas kernel sits beside a plain-jnp reference with the same signature.
 * :func:`block_sparse_attention_reference` / :func:`block_sparse_attention` — causal attention of each
   query over the keys of its selected ``block_size``-token blocks, the selection shared by the query heads
   of a KV group.
+* :func:`local_window_attention_reference` / :func:`local_window_attention` — causal attention over each
+  query's forced local window (its block and the ``local_blocks`` before it), tiled over tokens like dense
+  flash attention; with :func:`merge_attention` and the block-sparse kernel over the blocks below the
+  window it gives a prefill chunk's stage 2 (``minicpm_jax.sparse.sparse_attention``).
 
 Shapes: q ``[B, T, H, D]``; k, v ``[B, KVH, S, D]`` and compressed keys ``[B, KVH, N, D]``, or the stacked
 caches ``[L, B, KVH, ., D]`` with ``layer`` naming the slice (kernels read it in place). Query head ``h``
@@ -27,8 +31,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.attention import _LOG2E, _MASKED, _attend_block, _layer_view, merge_splits
-from pallas_kernels.backend import KernelConfig, launch_options, next_power_of_2, num_cores
+from pallas_kernels.attention import (
+    _LOG2E,
+    _MASKED,
+    _attend_block,
+    _check_shapes,
+    _key_block,
+    _layer_view,
+    merge_splits,
+    pad_query_blocks,
+)
+from pallas_kernels.backend import KernelConfig, launch_options, next_power_of_2, num_cores, tuned_config
 
 # Stage 2: rows of a tile (the query heads of one KV group for one token, padded).
 _MIN_ROWS = 16
@@ -312,6 +325,7 @@ def select_top_blocks(block_score: jax.Array, limit: jax.Array, *, k: int, inter
 def block_sparse_attention_reference(
     q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array,
     block_indices: jax.Array, *, scale: float, block_size: int, layer: int | None = None, return_lse: bool = False,
+    whole_blocks: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Block-sparse causal attention in plain jnp (a dense masked softmax).
 
@@ -319,8 +333,11 @@ def block_sparse_attention_reference(
     Key ``s`` is visible iff its block is selected, ``s <= q_positions[b, t]`` and ``s < kv_lengths[b]``;
     a query that sees nothing gets zeros. Returns ``[B, T, H, D]`` in q.dtype, and with ``return_lse``
     also the log-sum-exp of each query head's visible scores, fp32 ``[B, T, H]`` (-inf: none), for
-    merging with attention over other keys.
+    merging with attention over other keys. ``whole_blocks``: the caller's promise that every listed block
+    lies wholly at or before each query's position and below ``kv_lengths`` (e.g. the blocks below the
+    local window); the kernel then masks nothing (here it changes nothing).
     """
+    del whole_blocks
     if layer is not None:
         k, v = k[layer], v[layer]
     b, t, h, d = q.shape
@@ -348,7 +365,7 @@ def block_sparse_attention_reference(
 
 
 def _sparse_kernel(len_ref, q_ref, pos_ref, idx_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_scale, block_size,
-                   seq_len, per_split):
+                   seq_len, per_split, whole_blocks):
     kv_len = len_ref[pl.program_id(0)]
     q = q_ref[...]
     pos = pos_ref[...]
@@ -360,6 +377,10 @@ def _sparse_kernel(len_ref, q_ref, pos_ref, idx_ref, k_ref, v_ref, o_ref, lse_re
 
     def step(i, carry):
         block_start = idx_ref[i] * block_size
+        if whole_blocks:  # every key of the block is visible to every row: no masks (the clamp only keeps a
+            # broken promise inside the buffer)
+            return _attend_block(q, k_ref, v_ref, jnp.minimum(block_start, seq_len - block_size), carry,
+                                 qk_scale=qk_scale, block_k=block_size)
         # The slice is clamped into the buffer; keys before the block's start are masked out by `lo`.
         start = jnp.minimum(block_start, seq_len - block_size)
         limit = jnp.minimum(kv_len, block_start + block_size)
@@ -383,7 +404,8 @@ def sparse_splits(batch: int, kv_heads: int, tokens: int, max_blocks: int) -> in
 def block_sparse_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array,
     block_indices: jax.Array, *, scale: float, block_size: int, layer: int | None = None, return_lse: bool = False,
-    num_splits: int | None = None, config: KernelConfig | None = None, interpret: bool | None = None,
+    whole_blocks: bool = False, num_splits: int | None = None, config: KernelConfig | None = None,
+    interpret: bool | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Block-sparse causal attention (Pallas). Signature of :func:`block_sparse_attention_reference`;
     ``block_indices`` must list each row's valid blocks first (the ``-1`` entries last).
@@ -409,7 +431,7 @@ def block_sparse_attention(
     per_split = pl.cdiv(k_pad, splits)
     cfg = config or SPARSE_CONFIG
     kernel = functools.partial(_sparse_kernel, qk_scale=scale * _LOG2E, block_size=block_size, seq_len=s,
-                               per_split=per_split)
+                               per_split=per_split, whole_blocks=whole_blocks)
     o, lse = pl.pallas_call(
         kernel,
         grid=(b, kvh, t, splits),
@@ -441,6 +463,116 @@ def block_sparse_attention(
     total = jnp.log2(jnp.sum(jnp.exp2(lse - safe[:, :, :, None]), axis=3)) + safe  # -inf when every split is empty
     total = total[..., :group].transpose(0, 2, 1, 3).reshape(b, t, h) / _LOG2E
     return out, total
+
+
+# ------------------------------------------------------------------------------ stage 2, local window
+
+
+def local_window_attention_reference(
+    q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array, *, scale: float,
+    block_size: int, local_blocks: int, layer: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Causal attention of each query over its forced local window (plain jnp, dense masked softmax).
+
+    Key ``s`` is visible to a query at position ``p`` iff ``block_size·max(0, p // block_size − local_blocks)
+    <= s <= p`` and ``s < kv_lengths[b]``: the ``local_blocks`` blocks before the query's own block and that
+    block, the blocks InfLLM-v2 always selects. Returns (``[B, T, H, D]`` in q.dtype, fp32 log-sum-exp
+    ``[B, T, H]``, -inf for a query that sees nothing) — the other half of a prefill chunk's sparse attention
+    is :func:`block_sparse_attention` over the selected blocks below the window, merged by log-sum-exp."""
+    if layer is not None:
+        k, v = k[layer], v[layer]
+    b, t, h, d = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    key_pos = jnp.arange(s, dtype=jnp.int32)
+    lo = block_size * jnp.maximum(q_positions // block_size - local_blocks, 0)
+    visible = ((key_pos >= lo[..., None]) & (key_pos <= q_positions[..., None])
+               & (key_pos < kv_lengths[:, None, None]))  # [B, T, S]
+    qg = q.reshape(b, t, kvh, h // kvh, d)
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jnp.where(visible[:, None, None], jax.nn.softmax(scores, axis=-1), 0.0)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    lse = jax.nn.logsumexp(scores, axis=-1)  # [B, KVH, G, T]
+    return out.reshape(b, t, h, d).astype(q.dtype), lse.transpose(0, 3, 1, 2).reshape(b, t, h)
+
+
+def _window_kernel(len_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_scale, block_k, block_size,
+                   local_blocks):
+    """One query block of one head: keys from the lowest row's window start to the highest row's position,
+    masked only over the blocks where some row's window starts or the causal diagonal runs."""
+    kv_len = len_ref[pl.program_id(0)]
+    q = q_ref[...]
+    pos = pos_ref[...]
+    lo = block_size * jnp.maximum(pos // block_size - local_blocks, 0)  # [M] each row's first key
+    n_all = pl.cdiv(jnp.clip(jnp.max(pos) + 1, 0, kv_len), block_k)
+    n_lo = jnp.minimum(pl.cdiv(jnp.max(lo), block_k), n_all)  # blocks [min lo, max lo) need the lower mask
+    n_full = jnp.clip(jnp.clip(jnp.min(pos) + 1, 0, kv_len) // block_k, n_lo, n_all)  # [n_lo, n_full): all see
+    m_rows = q.shape[0]
+    carry = (jnp.zeros((m_rows, q.shape[1]), jnp.float32), jnp.full((m_rows,), _MASKED, jnp.float32),
+             jnp.zeros((m_rows,), jnp.float32))
+    step = functools.partial(_attend_block, q, k_ref, v_ref, qk_scale=qk_scale, block_k=block_k)
+
+    def masked(j, c):
+        key = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+        return step(j * block_k, c, pos=pos, kv_len=kv_len, mask=key >= lo[:, None])
+
+    carry = lax.fori_loop(jnp.min(lo) // block_k, n_lo, masked, carry)
+    carry = lax.fori_loop(n_lo, n_full, lambda j, c: step(j * block_k, c), carry)
+    acc, m, l = lax.fori_loop(n_full, n_all, masked, carry)
+    empty = l == 0.0
+    o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+
+
+def local_window_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array, *, scale: float,
+    block_size: int, local_blocks: int, layer: int | None = None, config: KernelConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Pallas version of :func:`local_window_attention_reference` (same signature): flash attention with
+    the grid of the dense prefill kernel (batch, query head, query block), so a K/V block is read once per
+    head and query block rather than once per token as in :func:`block_sparse_attention`. The keys a block
+    streams are its rows' windows, ``(local_blocks + 1)·block_size`` of them for block-aligned rows."""
+    (k, _), (v, layer) = _layer_view(k, layer), _layer_view(v, layer)
+    _check_shapes(q, k, v, q_positions, kv_lengths)
+    b, t, h, d = q.shape
+    kvh, s = k.shape[2], k.shape[3]
+    group = h // kvh
+    cfg = config or tuned_config("prefill", d)
+    q, q_positions, block_q = pad_query_blocks(q, q_positions, cfg.block_q)
+    t_pad = q.shape[1]
+    n_q = t_pad // block_q
+    kernel = functools.partial(_window_kernel, qk_scale=scale * _LOG2E, block_k=_key_block(cfg.block_k, s),
+                               block_size=block_size, local_blocks=local_blocks)
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(b, h, n_q),
+        in_specs=[
+            pl.BlockSpec((b,), lambda i, j, n: (0,)),
+            pl.BlockSpec((None, block_q, None, d), lambda i, j, n: (i, n, j, 0)),
+            pl.BlockSpec((None, block_q), lambda i, j, n: (i, n)),
+            pl.BlockSpec((None, None, None, s, d), lambda i, j, n: (layer, i, j // group, 0, 0)),
+            pl.BlockSpec((None, None, None, s, d), lambda i, j, n: (layer, i, j // group, 0, 0)),
+        ],
+        out_specs=[pl.BlockSpec((None, block_q, None, d), lambda i, j, n: (i, n, j, 0)),
+                   pl.BlockSpec((None, None, block_q), lambda i, j, n: (i, j, n))],
+        out_shape=[jax.ShapeDtypeStruct((b, t_pad, h, d), q.dtype), jax.ShapeDtypeStruct((b, h, t_pad), jnp.float32)],
+        name="minicpm_infllm_window_attention",
+        **launch_options(cfg, interpret),
+    )(kv_lengths.astype(jnp.int32), q, q_positions.astype(jnp.int32), k, v)
+    return out[:, :t], lse[:, :, :t].transpose(0, 2, 1) / _LOG2E
+
+
+def merge_attention(parts: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
+    """Attention over disjoint key sets, each ``(out [..., D], lse fp32 [...])`` (natural log; -inf = no
+    key), combined into attention over their union: ``Σ_i exp(lse_i − lse)·out_i``. fp32 ``[..., D]``."""
+    lses = jnp.stack([lse for _, lse in parts])
+    top = jnp.max(lses, axis=0)
+    top = jnp.where(jnp.isneginf(top), 0.0, top)
+    weights = jnp.exp(lses - top)  # 0 for empty parts
+    total = jnp.sum(weights, axis=0)
+    weights = weights / jnp.where(total > 0.0, total, 1.0)
+    return sum(w[..., None] * o.astype(jnp.float32) for w, (o, _) in zip(weights, parts))
 
 
 # -------------------------------------------------------------------------- compressed-cache decode step

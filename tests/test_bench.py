@@ -82,7 +82,7 @@ def test_bench_sparse_smoke_on_cpu(tmp_path):
                "--sparse_decode_contexts", "256", "--chunk_length", "128", "--repeats", "1", "--json_out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())["sparse"]
-    assert set(result["prefill"][0]["seconds"]) == {"dense", "sparse", "scores", "select", "select_xla"}
+    assert set(result["prefill"][0]["seconds"]) == {"dense", "sparse", "sparse_unsplit", "scores", "select", "select_xla"}
     assert set(result["decode"][0]["seconds"]) == {"dense", "sparse", "scores", "select", "select_xla", "stage2"}
     assert all(t[0] > 0 for t in result["decode"][0]["seconds"].values())
     assert "| 256 | 128 |" in r.stdout and "| decode context | blocks attended |" in r.stdout

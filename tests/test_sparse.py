@@ -26,13 +26,18 @@ from minicpm_jax.sparse import (
     rope_inverse,
     select_blocks,
     sparse_attention,
+    splits_local_window,
     tree_sparse_attention,
 )
+from pallas_kernels.backend import KernelConfig
 from pallas_kernels.sparse_attention import (
     block_sparse_attention,
     block_sparse_attention_reference,
     compressed_scores,
     compressed_scores_reference,
+    local_window_attention,
+    local_window_attention_reference,
+    merge_attention,
     select_top_blocks,
     select_top_blocks_reference,
 )
@@ -385,6 +390,69 @@ def test_block_sparse_kernel_matches_reference(splits):
     np.testing.assert_allclose(np.asarray(block_sparse_attention(q, k, v, positions, lengths, every, scale=0.3,
                                                                  block_size=bs, layer=2, interpret=True)),
                                np.asarray(dense), atol=2e-6)
+
+
+@pytest.mark.parametrize("bs,local,t,start", [(8, 2, 37, 50), (8, 3, 64, 0), (16, 1, 40, 77)])
+def test_local_window_kernel_matches_reference_and_block_selection(bs, local, t, start):
+    """The window kernel (query blocks of 16 straddling window starts, the causal diagonal and the valid
+    end) against its reference, and the reference against block-sparse attention over exactly the
+    window's blocks; merging it with the blocks below gives attention over the union (log-sum-exp)."""
+    rng = np.random.default_rng(bs + local + t)
+    b, h, kvh, d, s = 2, 4, 2, 16, 130
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, b, kvh, s, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((2, b, kvh, s, d)), jnp.float32)
+    positions = jnp.asarray(np.stack([start + np.arange(t), min(start, 60) + 3 * np.arange(t) // 2]), jnp.int32)
+    lengths = jnp.asarray([start + t, 110], jnp.int32)  # row 1: some queries past the valid end
+    kw = dict(scale=0.25, block_size=bs, local_blocks=local, layer=1)
+    ref, ref_lse = local_window_attention_reference(q, k, v, positions, lengths, **kw)
+    got, got_lse = local_window_attention(q, k, v, positions, lengths, config=KernelConfig(16, 16, 4, 1),
+                                          interpret=True, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6)
+    np.testing.assert_allclose(np.asarray(got_lse), np.asarray(ref_lse), rtol=1e-5, atol=1e-5)
+    q_blk = np.asarray(positions) // bs
+    n_sel = local + 1
+    window = np.stack([q_blk - local + i for i in range(n_sel)], -1)  # [B, T, local + 1]
+    window = np.sort(np.where(window < 0, 10**6, window), -1)
+    window = np.where(window == 10**6, -1, window)
+    blocks = jnp.asarray(np.broadcast_to(window[:, None], (b, kvh, t, n_sel)).astype(np.int32))
+    want, want_lse = block_sparse_attention_reference(q, k, v, positions, lengths, blocks, return_lse=True, **{
+        x: kw[x] for x in ("scale", "block_size", "layer")})
+    np.testing.assert_allclose(np.asarray(ref), np.asarray(want), atol=2e-6)
+    np.testing.assert_allclose(np.asarray(ref_lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+    # window + every block below it = dense causal attention
+    nb = -(-s // bs)
+    below = np.where(np.arange(nb)[None, None] < np.maximum(q_blk - local, 0)[..., None], np.arange(nb), -1)
+    below = np.sort(np.where(below < 0, 10**6, below), -1)
+    below = jnp.asarray(np.broadcast_to(np.where(below == 10**6, -1, below)[:, None], (b, kvh, t, nb)).astype(np.int32))
+    far = block_sparse_attention(q, k, v, positions, lengths, below, return_lse=True, interpret=True,
+                                 **{x: kw[x] for x in ("scale", "block_size", "layer")})
+    from pallas_kernels.attention import attention_reference
+    dense = attention_reference(q, k, v, positions, lengths, scale=0.25, layer=1)
+    np.testing.assert_allclose(np.asarray(merge_attention([far, (got, got_lse)])), np.asarray(dense), atol=2e-6)
+
+
+def test_sparse_prefill_splits_the_local_window_and_matches_the_reference():
+    """A Pallas prefill chunk attends its local windows with the window kernel and the selected blocks below
+    them with the block-sparse kernel; the result equals the reference's single block-sparse pass."""
+    cfg = SMALL
+    assert splits_local_window(cfg, 40, "pallas") and not splits_local_window(cfg, 40, "xla")
+    assert not splits_local_window(cfg, 1, "pallas")
+    assert not splits_local_window(dataclasses.replace(cfg, topk=1), 40, "pallas")
+    rng = np.random.default_rng(11)
+    b, t, h, kvh, d, s = 1, 40, 4, 2, 16, MAX_LEN
+    k, k1, k2 = _random_caches(12, b, kvh, s, d, cfg)
+    v = rng.standard_normal((b, kvh, s, d)).astype(np.float32)
+    cache = KVCache(k=jnp.asarray(k)[None], v=jnp.asarray(v)[None], lengths=jnp.asarray([s], jnp.int32),
+                    k1=jnp.asarray(k1)[None], k2=jnp.asarray(k2)[None])
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+    pos = jnp.asarray(s - t + np.arange(t), jnp.int32)[None]
+    kw = dict(scale=d**-0.5)
+    want = sparse_attention(q, q, cache, 0, pos, cache.lengths, cfg, impl="xla", **kw)
+    got = sparse_attention(q, q, cache, 0, pos, cache.lengths, cfg, impl="pallas", **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-6)
+    whole = sparse_attention(q, q, cache, 0, pos, cache.lengths, cfg, impl="pallas", split_window=False, **kw)
+    np.testing.assert_allclose(np.asarray(whole), np.asarray(want), atol=3e-6)
 
 
 def test_compress_step_kernel_matches_reference_and_the_general_update():

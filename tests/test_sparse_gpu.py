@@ -104,6 +104,31 @@ def test_gpu_compress_step_at_8b_dims():
             np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), atol=1e-2)
 
 
+@pytest.mark.parametrize("start,t", [(16384, 2048), (9000, 300)])
+def test_gpu_local_window_split_at_8b_dims(start, t):
+    """A prefill chunk at MiniCPM4-8B dims: the window kernel (Triton) against its reference, and the split
+    stage 2 (window kernel + block-sparse kernel below the window, LSE-merged) against the reference's
+    single block-sparse pass over the same selection."""
+    from minicpm_jax.sparse import sparse_attention
+    from pallas_kernels.sparse_attention import local_window_attention, local_window_attention_reference
+
+    sparse = SparseConfig()
+    length = start + t
+    cache = _caches(length, sparse)
+    q = jax.random.normal(jax.random.PRNGKey(3), (1, t, 32, 128), jnp.float32).astype(jnp.bfloat16)
+    pos = (start + jnp.arange(t, dtype=jnp.int32))[None]
+    kw = dict(scale=128**-0.5, block_size=64, local_blocks=sparse.local_blocks, layer=1)
+    ref, ref_lse = jax.jit(lambda *a: local_window_attention_reference(*a, **kw))(q, cache.k, cache.v, pos, cache.lengths)
+    got, got_lse = jax.jit(lambda *a: local_window_attention(*a, **kw))(q, cache.k, cache.v, pos, cache.lengths)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=2e-2)
+    np.testing.assert_allclose(np.asarray(got_lse), np.asarray(ref_lse), atol=1e-3, rtol=1e-4)
+    run = jax.jit(lambda q_, c, p_, split: sparse_attention(q_, q_, c, 1, p_, c.lengths, sparse, scale=128**-0.5,
+                                                             impl="pallas", split_window=split), static_argnums=3)
+    split, whole = run(q, cache, pos, True), run(q, cache, pos, False)
+    np.testing.assert_allclose(np.asarray(split, np.float32), np.asarray(whole, np.float32), atol=2e-2)
+    assert float(jnp.mean(jnp.abs(split.astype(jnp.float32) - whole.astype(jnp.float32)))) < 2e-3
+
+
 def test_gpu_sparse_model_matches_cpu_and_generates_the_same():
     config = ModelConfig.from_dict(helpers.tiny_minicpm_config(sparse_config=dataclasses.asdict(SMALL)))
     ids = np.random.default_rng(0).integers(0, 97, (1, 100))
