@@ -25,7 +25,9 @@ import numpy as np
 import scipy.linalg
 from jax import lax
 
+from minicpm_jax import int4
 from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.int4 import group_grid
 
 BITS = 4
 MAXQ = 2**BITS - 1
@@ -59,25 +61,6 @@ class QuantizedWeight:
 # --------------------------------------------------------------------------------------------------
 
 
-def _find_params(v, sym: bool, xp=jnp):
-    """(scale, zero) float32 [..., N] for the group rows ``v [..., R, N]`` (the rule in the module doc).
-
-    ``xp`` is ``jnp`` (inside the jitted GPTQ sweep) or ``np`` (grids computed up front: exact IEEE
-    float32, so NumPy or torch re-derivations agree bit for bit; XLA may rewrite divisions).
-    """
-    xmin = xp.minimum(v.min(axis=-2), 0.0)
-    xmax = xp.maximum(v.max(axis=-2), 0.0)
-    if sym:
-        xmax = xp.maximum(xp.abs(xmin), xmax)
-        xmin = xp.where(xmin < 0, -xmax, xmin)
-    empty = (xmin == 0) & (xmax == 0)
-    xmin = xp.where(empty, -1.0, xmin)
-    xmax = xp.where(empty, 1.0, xmax)
-    scale = (xmax - xmin) / MAXQ
-    zero = xp.full_like(scale, (MAXQ + 1) // 2) if sym else xp.round(-xmin / scale)
-    return scale, zero
-
-
 def _quantize(v, scale, zero, xp=jnp):
     """Codes (float32, in [0, 15]) of ``v`` on the grid ``(scale, zero)``; half-to-even rounding."""
     return xp.clip(xp.round(v / scale) + zero, 0, MAXQ)
@@ -85,7 +68,7 @@ def _quantize(v, scale, zero, xp=jnp):
 
 def _group_params_np(w: np.ndarray, g: int, sym: bool) -> tuple[np.ndarray, np.ndarray]:
     """(scale, zero) float32 [K // g, N] of the consecutive g-row groups of ``w float32 [K, N]``."""
-    return _find_params(w.reshape(w.shape[0] // g, g, w.shape[1]), sym, np)
+    return group_grid(w.reshape(w.shape[0] // g, g, w.shape[1]), sym)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -121,18 +104,12 @@ def _effective_group_size(group_size, k: int) -> int:
 
 
 def rtn_quantize(w, *, group_size: int, sym: bool = True) -> QuantizedWeight:
-    """Round-to-nearest 4-bit quantization of ``w float32 [K, N]``; g_idx[k] = k // G."""
+    """Round-to-nearest 4-bit quantization of ``w float32 [K, N]`` (:func:`minicpm_jax.int4.rtn_quantize`,
+    checked and returned as a :class:`QuantizedWeight`); g_idx[k] = k // G."""
     w = _as_weight(w)
-    k = w.shape[0]
-    g = _effective_group_size(group_size, k)
-    scale, zero = _group_params_np(w, g, sym)
-    g_idx = np.arange(k, dtype=np.int32) // g
-    return QuantizedWeight(
-        q=_quantize(w, scale[g_idx], zero[g_idx], np).astype(np.uint8),
-        scale=scale.astype(np.float32),
-        zero=zero.astype(np.uint8),
-        g_idx=g_idx,
-    )
+    r = int4.rtn_quantize(w, group_size=_effective_group_size(group_size, w.shape[0]), sym=sym)
+    zero = np.full_like(r.scales, int4.SYM_ZERO) if r.zeros is None else r.zeros
+    return QuantizedWeight(q=r.q, scale=r.scales, zero=zero.astype(np.uint8), g_idx=r.g_idx)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,7 +206,7 @@ def _gptq_core(w, hinv, row_scale, row_zero, *, block_size: int, group_size: int
             if group_size:
                 scale, zero = lax.cond(
                     i % group_size == 0,
-                    lambda: _find_params(lax.dynamic_slice_in_dim(w1, i, group_size), sym),
+                    lambda: group_grid(lax.dynamic_slice_in_dim(w1, i, group_size), sym, jnp),
                     lambda: (scale, zero),
                 )
                 s1, z1 = s1.at[i].set(scale), z1.at[i].set(zero)

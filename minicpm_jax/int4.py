@@ -271,23 +271,34 @@ def split_columns(w: Int4Weight, sizes: list[int]) -> list[Int4Weight]:
     return [Int4Weight(q, s, z, w.g_idx, w.group_size) for q, s, z in zip(qs, ss, zs)]
 
 
+def group_grid(v, sym: bool, xp=np):
+    """GPTQ's grid of the groups ``v [..., R, N]`` (R rows each): (scale, zero) float32 ``[..., N]``.
+
+    min/max per group and column, widened to include 0; symmetric: ``z = 8``, ``s = 2·max|w| / 15``,
+    except that, as in GPTQ, a symmetric group with no negative value gets ``s = max / 15`` (and clips
+    its top half); an all-zero group gets the grid of [-1, 1]. ``xp``: ``np`` (exact IEEE float32, so
+    NumPy or torch re-derivations agree bit for bit) or ``jnp`` (inside the jitted GPTQ sweep)."""
+    lo = xp.minimum(v.min(axis=-2), 0.0)
+    hi = xp.maximum(v.max(axis=-2), 0.0)
+    if sym:
+        hi = xp.maximum(-lo, hi)
+        lo = xp.where(lo < 0, -hi, lo)
+    flat = (lo == 0) & (hi == 0)
+    lo, hi = xp.where(flat, -1.0, lo), xp.where(flat, 1.0, hi)
+    scale = (hi - lo) / MAXQ
+    zero = xp.full_like(scale, SYM_ZERO) if sym else xp.round(-lo / scale)
+    return scale, zero
+
+
 def rtn_quantize(w: np.ndarray, *, group_size: int, sym: bool = True) -> Int4Weight:
-    """Round-to-nearest int4 of ``w float [K, N]`` with GPTQ's parameter rule (min/max per group and
-    column, widened to include 0; symmetric: ``z = 8``, ``s = 2·max|w| / 15``, except that, as in GPTQ,
-    a symmetric group with no negative value gets ``s = max / 15`` and clips its top half)."""
+    """Round-to-nearest int4 of ``w float [K, N]`` on :func:`group_grid`'s grid of consecutive
+    ``group_size``-row groups (-1: one group); codes ``clip(round(w / s) + z, 0, 15)``, half to even."""
     k, n = w.shape
     gs = k if group_size == -1 else group_size
     if gs <= 0 or k % gs:
         raise MiniCPMError(f"group_size {group_size} does not divide in_features {k}")
     v = w.astype(np.float32).reshape(k // gs, gs, n)
-    lo, hi = np.minimum(v.min(axis=1), 0), np.maximum(v.max(axis=1), 0)
-    if sym:
-        hi = np.maximum(-lo, hi)
-        lo = np.where(lo < 0, -hi, lo)
-    flat = (lo == 0) & (hi == 0)
-    lo, hi = np.where(flat, -1, lo), np.where(flat, 1, hi)
-    scale = (hi - lo) / MAXQ
-    zero = np.full_like(scale, SYM_ZERO) if sym else np.rint(-lo / scale)
+    scale, zero = group_grid(v, sym)
     q = np.clip(np.rint(v / scale[:, None]) + zero[:, None], 0, MAXQ).astype(np.uint8).reshape(k, n)
     g_idx = np.arange(k, dtype=np.int32) // gs
     return Int4Weight(q, scale.astype(np.float32), None if sym else zero.astype(np.float32), g_idx, gs)
