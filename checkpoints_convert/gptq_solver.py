@@ -27,7 +27,6 @@ from jax import lax
 
 from minicpm_jax import int4
 from minicpm_jax.errors import MiniCPMError
-from minicpm_jax.int4 import group_grid
 
 BITS = 4
 MAXQ = 2**BITS - 1
@@ -68,7 +67,7 @@ def _quantize(v, scale, zero, xp=jnp):
 
 def _group_params_np(w: np.ndarray, g: int, sym: bool) -> tuple[np.ndarray, np.ndarray]:
     """(scale, zero) float32 [K // g, N] of the consecutive g-row groups of ``w float32 [K, N]``."""
-    return group_grid(w.reshape(w.shape[0] // g, g, w.shape[1]), sym)
+    return int4.group_grid(w.reshape(w.shape[0] // g, g, w.shape[1]), sym)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -206,7 +205,7 @@ def _gptq_core(w, hinv, row_scale, row_zero, *, block_size: int, group_size: int
             if group_size:
                 scale, zero = lax.cond(
                     i % group_size == 0,
-                    lambda: group_grid(lax.dynamic_slice_in_dim(w1, i, group_size), sym, jnp),
+                    lambda: int4.group_grid(lax.dynamic_slice_in_dim(w1, i, group_size), sym, jnp),
                     lambda: (scale, zero),
                 )
                 s1, z1 = s1.at[i].set(scale), z1.at[i].set(zero)

@@ -271,11 +271,7 @@ def tree_sparse_attention(
     lse_t = jax.nn.logsumexp(s, axis=-1)  # [B, T, KVH, G]; every node sees itself
     out_t = jnp.einsum("btkgj,bjkd->btkgd", jnp.exp(s - lse_t[..., None]).astype(tree_v.dtype), tree_v,
                        preferred_element_type=jnp.float32)
-    lse_t = lse_t.reshape(b, t, h)
-    top = jnp.maximum(lse_p, lse_t)
-    w_p = jnp.exp(lse_p - top)[..., None]
-    w_t = jnp.exp(lse_t - top)[..., None]
-    out = (out_p.astype(jnp.float32) * w_p + out_t.reshape(b, t, h, d) * w_t) / (w_p + w_t)
+    out = merge_attention([(out_p, lse_p), (out_t.reshape(b, t, h, d), lse_t.reshape(b, t, h))])
     return out.astype(q.dtype)
 
 

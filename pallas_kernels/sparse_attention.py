@@ -564,15 +564,11 @@ def local_window_attention(
 
 
 def merge_attention(parts: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
-    """Attention over disjoint key sets, each ``(out [..., D], lse fp32 [...])`` (natural log; -inf = no
-    key), combined into attention over their union: ``Σ_i exp(lse_i − lse)·out_i``. fp32 ``[..., D]``."""
-    lses = jnp.stack([lse for _, lse in parts])
-    top = jnp.max(lses, axis=0)
-    top = jnp.where(jnp.isneginf(top), 0.0, top)
-    weights = jnp.exp(lses - top)  # 0 for empty parts
-    total = jnp.sum(weights, axis=0)
-    weights = weights / jnp.where(total > 0.0, total, 1.0)
-    return sum(w[..., None] * o.astype(jnp.float32) for w, (o, _) in zip(weights, parts))
+    """Attention over disjoint key sets, each ``(out [..., M, D], lse fp32 [..., M])`` (natural log; -inf =
+    no key), combined into attention over their union (:func:`merge_splits` over the parts). fp32."""
+    o = jnp.stack([o for o, _ in parts], axis=-3)
+    lse = jnp.stack([lse for _, lse in parts], axis=-2) * _LOG2E
+    return merge_splits(o, lse)
 
 
 # -------------------------------------------------------------------------- compressed-cache decode step
