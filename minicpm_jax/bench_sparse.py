@@ -4,8 +4,9 @@ attention, one layer at the shape's attention dims (bf16, batch 1), random q/k/v
 * prefill — the attention of a whole ``L``-token prompt, run as the engine runs it: chunks of
   ``chunk`` queries, each extending the compressed caches and switching to sparse once the sequence
   reaches ``dense_len``; against the dense flash kernel over the same chunks. Also timed: the sparse
-  path without stage 2 (compression + stage-1 scores + selection, with the selection kernel and with XLA's
-  top-k + sort), to split the cost.
+  path with stage 2 in one block-sparse pass (no window split), and without stage 2 (compression +
+  stage-1 scores, then + the block selection: pooled in the selection kernel, or pooled in XLA first), to
+  split the cost.
 * decode — one query token against an ``L``-token cache: stage-1 scores + block selection + block-sparse
   attention against the flash-decoding kernel. Calls cycle through several layers' caches so the bytes
   come from HBM, not L2. (The compressed-cache extension of a decode step is an in-place write of one
@@ -24,7 +25,7 @@ from jax import lax
 
 from minicpm_jax.cache import KVCache, compressed_sizes
 from minicpm_jax.config import ModelConfig, SparseConfig
-from minicpm_jax.sparse import extend_compressed, select_blocks, sparse_attention
+from minicpm_jax.sparse import block_selection, extend_compressed, sparse_attention
 from pallas_kernels.attention import decode_attention, prefill_attention
 from pallas_kernels.sparse_attention import block_sparse_attention, compressed_scores
 from pallas_kernels.timing import device_loop_time
@@ -82,15 +83,15 @@ def bench_sparse_prefill(config: ModelConfig, sparse: SparseConfig, length: int,
                 out = dense()
             else:
                 cache = extend_compressed(cache, 0, kv_len - chunk, kv_len, sparse, max_tokens=chunk)
-                if mode in ("scores", "select", "select_xla"):  # the stages before the block-sparse attention
+                if mode in ("scores", "select", "select_xla_pool"):  # the stages before the block-sparse attention
                     def sparse_fn():
-                        s = compressed_scores(q, cache.k1, cache.k2, pos, scale=scale, kernel1=sparse.kernel_size,
-                                              stride1=sparse.kernel_stride, kernel2=sparse.kernel_size2,
-                                              stride2=sparse.kernel_stride2, layer=0)
                         if mode == "scores":
+                            s = compressed_scores(q, cache.k1, cache.k2, pos, scale=scale, kernel1=sparse.kernel_size,
+                                                  stride1=sparse.kernel_stride, kernel2=sparse.kernel_size2,
+                                                  stride2=sparse.kernel_stride2, layer=0)
                             return jnp.broadcast_to(jnp.sum(s[..., :64]).astype(q.dtype), q.shape)
-                        blocks = select_blocks(s, pos, kv_len, sparse, -(-length // sparse.block_size),
-                                               impl="xla" if mode == "select_xla" else "pallas")
+                        blocks = block_selection(q, cache, 0, pos, kv_len, sparse, scale=scale, impl="pallas",
+                                                 pool_in_kernel=mode == "select")
                         return jnp.broadcast_to(jnp.sum(blocks).astype(q.dtype), q.shape)
                 else:
                     sparse_fn = lambda: sparse_attention(q, q, cache, 0, pos, kv_len, sparse, scale=scale,  # noqa: E731
@@ -102,14 +103,15 @@ def bench_sparse_prefill(config: ModelConfig, sparse: SparseConfig, length: int,
 
     print(f"  sparse prefill attention L={length} chunk={chunk}", file=sys.stderr, flush=True)
     seconds = {mode: _timed(run(mode), (cache,), repeats)
-               for mode in ("dense", "sparse", "sparse_unsplit", "scores", "select", "select_xla")}
+               for mode in ("dense", "sparse", "sparse_unsplit", "scores", "select", "select_xla_pool")}
     print(f"    {seconds}", file=sys.stderr, flush=True)
     return {"context": length, "chunk": chunk, "seconds": seconds}
 
 
 def bench_sparse_decode(config: ModelConfig, sparse: SparseConfig, length: int, dtype, repeats: int) -> dict:
     """Seconds per layer for one decode token against ``length`` cached tokens: dense flash-decoding,
-    the full sparse path, and its stage-1 + selection part."""
+    the full sparse path, its stage 1, stage 1 + selection (pooled in the selection kernel, and in XLA),
+    and stage 2."""
     itemsize = jnp.dtype(dtype).itemsize
     kv_bytes = 2 * config.num_kv_heads * length * config.head_dim * itemsize
     layers = max(2, min(16, -(-4 * L2_BYTES // kv_bytes)))
@@ -125,14 +127,13 @@ def bench_sparse_decode(config: ModelConfig, sparse: SparseConfig, length: int, 
     def full(q_, c, p_):
         return [sparse_attention(q_, q_, c, i, p_, c.lengths, sparse, scale=scale, impl="pallas") for i in range(layers)]
 
-    def select(q_, c, p_, scores_only=False, impl="pallas"):
-        out = []
-        for i in range(layers):
-            s = compressed_scores(q_, c.k1, c.k2, p_, scale=scale, kernel1=sparse.kernel_size,
+    def select(q_, c, p_, scores_only=False, pool_in_kernel=True):
+        if not scores_only:
+            return [block_selection(q_, c, i, p_, c.lengths, sparse, scale=scale, impl="pallas",
+                                    pool_in_kernel=pool_in_kernel) for i in range(layers)]
+        return [compressed_scores(q_, c.k1, c.k2, p_, scale=scale, kernel1=sparse.kernel_size,
                                   stride1=sparse.kernel_stride, kernel2=sparse.kernel_size2,
-                                  stride2=sparse.kernel_stride2, layer=i)
-            out.append(s[..., :64] if scores_only else select_blocks(s, p_, c.lengths, sparse, n_blocks, impl=impl))
-        return out
+                                  stride2=sparse.kernel_stride2, layer=i)[..., :64] for i in range(layers)]
 
     def attend_only(q_, c, p_, blocks):
         return [block_sparse_attention(q_, c.k, c.v, p_, c.lengths, blocks[i], scale=scale,
@@ -147,8 +148,8 @@ def bench_sparse_decode(config: ModelConfig, sparse: SparseConfig, length: int, 
         "scores": device_loop_time(lambda *a: select(*a, scores_only=True), (q, cache, pos), iters=iters,
                                    repeats=repeats),
         "select": device_loop_time(select, (q, cache, pos), iters=iters, repeats=repeats),
-        "select_xla": device_loop_time(lambda *a: select(*a, impl="xla"), (q, cache, pos), iters=iters,
-                                       repeats=repeats),
+        "select_xla_pool": device_loop_time(lambda *a: select(*a, pool_in_kernel=False), (q, cache, pos),
+                                            iters=iters, repeats=repeats),
         "stage2": device_loop_time(lambda q_, c, b, p_: attend_only(q_, c, p_, b), (q, cache, blocks, pos),
                                    iters=iters, repeats=repeats),
     }
@@ -185,13 +186,13 @@ def sparse_markdown(r: dict) -> str:
         + ", ".join(f"{k} {v}" for k, v in sc.items()),
         "",
         "| prefill prompt | chunk | dense flash ms | sparse ms | speed-up | of which stage 1 ms | block selection ms "
-        "(kernel / XLA top-k + sort) | stage 2 ms (window split / one block-sparse pass) |",
+        "(pooled in the kernel / in XLA) | stage 2 ms (window split / one block-sparse pass) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     med = statistics.median
     for p in r["prefill"]:
         s = p["seconds"]
-        xla = f" / {1e3 * (med(s['select_xla']) - med(s['scores'])):.3f}" if "select_xla" in s else ""
+        xla = f" / {1e3 * (med(s['select_xla_pool']) - med(s['scores'])):.3f}" if "select_xla_pool" in s else ""
         stage2 = f"{1e3 * (med(s['sparse']) - med(s['select'])):.3f}"
         if "sparse_unsplit" in s:
             stage2 += f" / {1e3 * (med(s['sparse_unsplit']) - med(s['select'])):.3f}"
@@ -199,10 +200,10 @@ def sparse_markdown(r: dict) -> str:
                      f"{med(s['dense']) / med(s['sparse']):.2f}x | {_ms(s['scores'])} | "
                      f"{1e3 * (med(s['select']) - med(s['scores'])):.3f}{xla} | {stage2} |")
     lines += ["", "| decode context | blocks attended | dense flash-decoding µs | sparse µs | speed-up | "
-                  "stage 1 µs | stage 1 + selection µs (kernel / XLA) | stage 2 µs |", "|---|---|---|---|---|---|---|---|"]
+                  "stage 1 µs | stage 1 + selection µs (pooled in the kernel / in XLA) | stage 2 µs |", "|---|---|---|---|---|---|---|---|"]
     for p in r["decode"]:
         s = p["seconds"]
-        xla = f" / {_us(s['select_xla'])}" if "select_xla" in s else ""
+        xla = f" / {_us(s['select_xla_pool'])}" if "select_xla_pool" in s else ""
         lines.append(f"| {p['context']} | {p['selected_blocks']} | {_us(s['dense'])} | {_us(s['sparse'])} | "
                      f"{med(s['dense']) / med(s['sparse']):.2f}x | {_us(s['scores'])} | "
                      f"{_us(s['select'])}{xla} | {_us(s['stage2'])} |")

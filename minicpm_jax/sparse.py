@@ -42,11 +42,15 @@ from pallas_kernels.sparse_attention import (
     compressed_count,
     compressed_scores,
     compressed_scores_reference,
-    compressed_visible,
+    compressed_scores_tiled,
+    force_blocks,
     local_window_attention,
     merge_attention,
+    pool_block_scores,
+    pool_select_blocks,
+    pool_select_blocks_reference,
+    pool_select_blocks_tiled,
     select_top_blocks,
-    select_top_blocks_reference,
 )
 
 SPARSE_CHOICES = ("auto", "on", "off")
@@ -125,53 +129,66 @@ def select_blocks(
     *, impl: str = "xla",
 ) -> jax.Array:
     """Stage-1 scores ``fp32[B, KVH, T, N1]`` → attended blocks ``int32[B, KVH, T, K]``, ascending, padded
-    with -1 at the end (``K = min(topk + window_size/block_size, num_blocks)``). The pooling runs in XLA;
-    the pick runs in the ``select_top_blocks`` kernel (``impl="pallas"``) or as top-k + sort (``"xla"``).
+    with -1 at the end (``K = min(topk + window_size/block_size, num_blocks)``): max-pooled to blocks,
+    init and local blocks forced, the best picked. ``impl="pallas"``: one kernel per row that pools in
+    registers and picks without a sort (``pool_select_blocks``); ``"xla"``: pooling in XLA, top-k + sort.
 
     Entries a query cannot see score 0 (entries that do not exist yet are left out of the pooling), as
     in HF's causal stage 1; ``scores`` may hold anything there.
     """
-    n1 = scores.shape[-1]
-    r, bs = sparse.pool_ratio, sparse.block_size
-    visible = compressed_visible(q_positions, n1, kernel=sparse.kernel_size, stride=sparse.kernel_stride)
-    exists = jnp.arange(n1) < compressed_count(kv_lengths, kernel=sparse.kernel_size, stride=sparse.kernel_stride)[:, None]
-    s = jnp.where(visible[:, None], scores, jnp.where(exists[:, None, None, :], 0.0, -jnp.inf))
-    # Max-pool, window r+1, stride r, padding 1: block b takes entries r*b-1 .. r*b+r-1.
-    width = r * num_blocks + 1
-    s = s[..., : width - 1] if n1 >= width - 1 else jnp.pad(s, ((0, 0),) * 3 + ((0, width - 1 - n1),),
-                                                             constant_values=-jnp.inf)
-    s = jnp.pad(s, ((0, 0),) * 3 + ((1, 0),), constant_values=-jnp.inf)  # index i+1 holds entry i
-    inner = jnp.max(s[..., 1:].reshape(*s.shape[:-1], num_blocks, r), axis=-1)
-    before = s[..., 0 : r * num_blocks : r]  # entry r*b - 1
-    block_score = jnp.maximum(inner, before)
-    q_blk = (q_positions // bs)[:, None, :, None]
-    blk = jnp.arange(num_blocks, dtype=jnp.int32)
-    forced = (blk < sparse.init_blocks) | ((blk >= q_blk - sparse.local_blocks) & (blk <= q_blk))
-    block_score = jnp.where(forced, jnp.inf, block_score)
-    block_score = jnp.where(blk > q_blk, -jnp.inf, block_score)
-    k = min(sparse.num_selected, num_blocks)
-    limit = jnp.broadcast_to(q_blk[..., 0], block_score.shape[:-1])
     if impl == "pallas":
-        return select_top_blocks(block_score, limit, k=k)
-    return select_top_blocks_reference(block_score, limit, k=k, top_k=top_k)
+        return pool_select_blocks(scores, q_positions, kv_lengths, **_select_kw(sparse, num_blocks))
+    return pool_select_blocks_reference(scores, q_positions, kv_lengths, top_k=top_k, **_select_kw(sparse, num_blocks))
+
+
+def _select_kw(sparse: SparseConfig, num_blocks: int) -> dict:
+    return dict(k=min(sparse.num_selected, num_blocks), kernel1=sparse.kernel_size, stride1=sparse.kernel_stride,
+                ratio=sparse.pool_ratio, num_blocks=num_blocks, init_blocks=sparse.init_blocks,
+                local_blocks=sparse.local_blocks)
+
+
+def block_selection(
+    q_select: jax.Array, cache: KVCache, layer: int, q_positions: jax.Array, kv_lengths: jax.Array,
+    sparse: SparseConfig, *, scale: float, impl: str, score_positions: jax.Array | None = None,
+    extra_logits: jax.Array | None = None, pool_in_kernel: bool = True,
+) -> jax.Array:
+    """Stage 1 and the block selection of ``q_select [B, T, H, D]`` against ``layer``'s compressed keys →
+    ``int32[B, KVH, T, K]`` as :func:`select_blocks`. Pallas: the stage-1 kernel's fine scores are read
+    in place by the pooling + selection kernel; ``pool_in_kernel=False`` pools them in XLA first (for
+    benchmarks). ``score_positions`` (default ``q_positions``) and ``extra_logits``: stage 1's query
+    positions and extra coarse logits (:func:`tree_sparse_attention`)."""
+    score_pos = q_positions if score_positions is None else score_positions
+    num_blocks = -(-cache.max_length // sparse.block_size)
+    kw = dict(scale=scale, kernel1=sparse.kernel_size, stride1=sparse.kernel_stride, kernel2=sparse.kernel_size2,
+              stride2=sparse.kernel_stride2, layer=layer, extra_logits=extra_logits)
+    if impl != "pallas":
+        scores = compressed_scores_reference(q_select, cache.k1, cache.k2, score_pos, **kw)
+        return select_blocks(scores, q_positions, kv_lengths, sparse, num_blocks, impl="xla")
+    if not pool_in_kernel:
+        scores = compressed_scores(q_select, cache.k1, cache.k2, score_pos, **kw)
+        block_score = pool_block_scores(scores, q_positions, kv_lengths, kernel1=sparse.kernel_size,
+                                        stride1=sparse.kernel_stride, ratio=sparse.pool_ratio, num_blocks=num_blocks)
+        limit = jnp.broadcast_to((q_positions // sparse.block_size)[:, None, :], block_score.shape[:-1])
+        block_score = force_blocks(block_score, limit, (sparse.init_blocks, sparse.local_blocks))
+        return select_top_blocks(block_score, limit, k=min(sparse.num_selected, num_blocks))
+    scores, tokens = compressed_scores_tiled(q_select, cache.k1, cache.k2, score_pos, **kw)
+    return pool_select_blocks_tiled(scores, q_positions, kv_lengths, tokens=tokens, tile_rows=max(16, tokens),
+                                    **_select_kw(sparse, num_blocks))
 
 
 def sparse_attention(
     q: jax.Array, q_select: jax.Array, cache: KVCache, layer: int, q_positions: jax.Array, kv_lengths: jax.Array,
-    sparse: SparseConfig, *, scale: float, impl: str, split_window: bool = True,
+    sparse: SparseConfig, *, scale: float, impl: str, split_window: bool = True, pool_in_kernel: bool = True,
 ) -> jax.Array:
     """InfLLM-v2 attention of ``q [B, T, H, D]`` (post-RoPE) over ``layer`` of the cache: stage-1 scores
     of ``q_select`` (``q``, or pre-RoPE q with ``use_nope``) against K1/K2, block selection, block-sparse
     attention. ``impl``: ``pallas`` kernels or the ``xla`` references. ``split_window=False`` keeps a Pallas
-    prefill chunk in one block-sparse pass (see :func:`splits_local_window`; for benchmarks). Returns
+    prefill chunk in one block-sparse pass (see :func:`splits_local_window`; for benchmarks), and
+    ``pool_in_kernel=False`` pools the stage-1 scores in XLA (:func:`block_selection`). Returns
     ``[B, T, H, D]``."""
-    scores_fn, attend_fn = ((compressed_scores, block_sparse_attention) if impl == "pallas" else
-                            (compressed_scores_reference, block_sparse_attention_reference))
-    scores = scores_fn(q_select, cache.k1, cache.k2, q_positions, scale=scale, kernel1=sparse.kernel_size,
-                       stride1=sparse.kernel_stride, kernel2=sparse.kernel_size2, stride2=sparse.kernel_stride2,
-                       layer=layer)
-    num_blocks = -(-cache.max_length // sparse.block_size)
-    blocks = select_blocks(scores, q_positions, kv_lengths, sparse, num_blocks, impl=impl)
+    attend_fn = block_sparse_attention if impl == "pallas" else block_sparse_attention_reference
+    blocks = block_selection(q_select, cache, layer, q_positions, kv_lengths, sparse, scale=scale, impl=impl,
+                             pool_in_kernel=pool_in_kernel)
     if not (split_window and splits_local_window(sparse, q.shape[1], impl)):
         return attend_fn(q, cache.k, cache.v, q_positions, kv_lengths, blocks, scale=scale,
                          block_size=sparse.block_size, layer=layer)
@@ -252,16 +269,12 @@ def tree_sparse_attention(
     extra = jnp.einsum("btkgd,btkd->btkg", qg, extra_key, preferred_element_type=jnp.float32).reshape(b, t, h) * scale
     extra = jnp.where((positions + 1 >= end[:, None])[..., None], extra, -jnp.inf)
 
-    scores_fn, attend_fn = ((compressed_scores, block_sparse_attention) if impl == "pallas" else
-                            (compressed_scores_reference, block_sparse_attention_reference))
+    attend_fn = block_sparse_attention if impl == "pallas" else block_sparse_attention_reference
     # The cache's slot for that window is stale (the path is not committed): stage 1 runs at a position that
     # cannot see it (fine windows hidden by this are path windows too, scoring forced blocks only).
     score_pos = jnp.minimum(positions, end[:, None] - 2)
-    scores = scores_fn(q_select, cache.k1, cache.k2, score_pos, scale=scale, kernel1=sparse.kernel_size,
-                       stride1=sparse.kernel_stride, kernel2=k2_size, stride2=k2_stride, layer=layer,
-                       extra_logits=extra)
-    num_blocks = -(-cache.max_length // sparse.block_size)
-    blocks = select_blocks(scores, positions, prefix, sparse, num_blocks, impl=impl)
+    blocks = block_selection(q_select, cache, layer, positions, prefix, sparse, scale=scale, impl=impl,
+                             score_positions=score_pos, extra_logits=extra)
     # (3) The prefix's selected blocks, and the ancestors; merged by their log-sum-exps.
     out_p, lse_p = attend_fn(q, cache.k, cache.v, positions, prefix, blocks, scale=scale,
                              block_size=sparse.block_size, layer=layer, return_lse=True)

@@ -82,11 +82,11 @@ def test_bench_sparse_smoke_on_cpu(tmp_path):
                "--sparse_decode_contexts", "256", "--chunk_length", "128", "--repeats", "1", "--json_out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())["sparse"]
-    assert set(result["prefill"][0]["seconds"]) == {"dense", "sparse", "sparse_unsplit", "scores", "select", "select_xla"}
-    assert set(result["decode"][0]["seconds"]) == {"dense", "sparse", "scores", "select", "select_xla", "stage2"}
+    assert set(result["prefill"][0]["seconds"]) == {"dense", "sparse", "sparse_unsplit", "scores", "select", "select_xla_pool"}
+    assert set(result["decode"][0]["seconds"]) == {"dense", "sparse", "scores", "select", "select_xla_pool", "stage2"}
     assert all(t[0] > 0 for t in result["decode"][0]["seconds"].values())
     assert "| 256 | 128 |" in r.stdout and "| decode context | blocks attended |" in r.stdout
-    assert "(kernel / XLA top-k + sort)" in r.stdout  # the selection kernel beside XLA's top-k + sort
+    assert "(pooled in the kernel / in XLA)" in r.stdout  # the pooling selection kernel beside XLA pooling
     bad = _bench("--sparse_modes", "maybe", timeout=300)
     assert bad.returncode == 2 and "unknown maybe" in bad.stderr
 

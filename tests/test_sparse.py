@@ -35,9 +35,14 @@ from pallas_kernels.sparse_attention import (
     block_sparse_attention_reference,
     compressed_scores,
     compressed_scores_reference,
+    compressed_scores_tiled,
+    compressed_visible,
     local_window_attention,
     local_window_attention_reference,
     merge_attention,
+    pool_select_blocks,
+    pool_select_blocks_reference,
+    pool_select_blocks_tiled,
     select_top_blocks,
     select_top_blocks_reference,
 )
@@ -169,6 +174,84 @@ def np_pick(row: np.ndarray, limit: int, k: int) -> list[int]:
     order = sorted(range(len(row)), key=lambda i: (-row[i], bool(np.signbit(row[i])), i))[:k]
     kept = sorted(i for i in order if i <= limit)
     return kept + [-1] * (k - len(kept))
+
+
+def np_pool_select(s: np.ndarray, pos: int, length: int, *, k, kernel1, stride1, ratio, num_blocks, init_blocks,
+                   local_blocks) -> list[int]:
+    """NumPy re-derivation of one row's pooled selection from fine scores ``s [N1]``: entry ``j`` is worth
+    ``s[j]`` if its window ends at or before ``pos``, 0 if it exists but is not visible, nothing if it does
+    not exist; block ``b`` takes the best of entries ``ratio*b - 1 .. ratio*b + ratio - 1``; forced blocks
+    first, then :func:`np_pick` with the query's block as the limit."""
+    n_exist = min(len(s), (length - kernel1) // stride1 + 1 if length >= kernel1 else 0)
+    q_blk = pos // (stride1 * ratio)
+    row = np.full(num_blocks, -np.inf, np.float32)
+    for b in range(num_blocks):
+        vals = [s[j] if j * stride1 + kernel1 - 1 <= pos else 0.0
+                for j in range(ratio * b - 1, ratio * b + ratio) if 0 <= j < n_exist]
+        row[b] = max(vals) if vals else -np.inf
+        if b < init_blocks or q_blk - local_blocks <= b <= q_blk:
+            row[b] = np.inf
+        if b > q_blk:
+            row[b] = -np.inf
+    return np_pick(row, q_blk, k)
+
+
+@pytest.mark.parametrize("ratio,num_blocks,k,init_blocks,local_blocks", [
+    (4, 16, 6, 1, 2), (3, 40, 12, 1, 2), (2, 20, 20, 2, 3), (4, 33, 7, 0, 0)])
+def test_pool_select_kernel_matches_reference_and_numpy(ratio, num_blocks, k, init_blocks, local_blocks):
+    """The pooling + selection kernel reads fine scores that hold NaN garbage wherever a query cannot see
+    (the stage-1 kernel leaves those unwritten) and picks exactly what the reference (XLA pooling, forced
+    blocks, top-k + sort) and a NumPy re-derivation pick: pool ratios 4, 3 (not a power of two) and 2, a
+    row shorter than ``ratio * num_blocks``, block counts that are not powers of two, k = all blocks, no
+    init or local blocks, batch rows with different lengths, and positions past the cached length (as the
+    speculative tree path asks)."""
+    stride1, kernel1 = 2, 4
+    rng = np.random.default_rng(ratio * 100 + num_blocks)
+    n1 = ratio * num_blocks - 3
+    positions = np.array([np.arange(60, 69), np.arange(3, 12)], np.int32)
+    positions = np.minimum(positions, stride1 * ratio * num_blocks - 1)
+    lengths = np.array([66, 12], np.int32)  # row 0: queries 66.. sit past the cached length
+    scores = np.round(rng.random((2, 2, positions.shape[1], n1)) * 8).astype(np.float32) / 8  # ties
+    visible = np.asarray(compressed_visible(jnp.asarray(positions), n1, kernel=kernel1, stride=stride1))[:, None]
+    scores = np.where(visible, scores, np.nan).astype(np.float32)
+    kw = dict(k=k, kernel1=kernel1, stride1=stride1, ratio=ratio, num_blocks=num_blocks, init_blocks=init_blocks,
+              local_blocks=local_blocks)
+    args = (jnp.asarray(scores), jnp.asarray(positions), jnp.asarray(lengths))
+    got = np.asarray(pool_select_blocks(*args, interpret=True, **kw))
+    ref = np.asarray(pool_select_blocks_reference(*args, **kw))
+    assert got.shape == (2, 2, positions.shape[1], k) and got.dtype == np.int32
+    np.testing.assert_array_equal(got, ref)
+    for i in range(2):
+        for g in range(2):
+            for t, pos in enumerate(positions[i]):
+                assert got[i, g, t].tolist() == np_pool_select(scores[i, g, t], int(pos), int(lengths[i]), **kw), (
+                    i, g, t)
+    with pytest.raises(ValueError, match="k=0"):
+        pool_select_blocks(*args, interpret=True, **{**kw, "k": 0})
+
+
+@pytest.mark.parametrize("t", [1, 20])
+def test_pool_select_reads_the_stage1_kernel_tiles_in_place(t):
+    """The selection kernel reads the stage-1 kernel's tiled output (8 tokens per 16-row tile, one token
+    per tile for decode, rows past the chunk) in place and picks what it picks from the plain layout."""
+    sp = SMALL
+    b, kvh, group, d, s = 2, 2, 4, 16, 96
+    _, k1, k2 = _random_caches(5, b, kvh, s, d, sp)
+    rng = np.random.default_rng(6)
+    positions = np.stack([np.arange(70, 70 + t), np.arange(40, 40 + t)]).astype(np.int32)
+    lengths = positions[:, -1] + 1
+    q = jnp.asarray(rng.standard_normal((b, t, kvh * group, d)).astype(np.float32))
+    kw = dict(scale=d**-0.5, **_score_kw(sp))
+    args = (q, jnp.asarray(k1), jnp.asarray(k2), jnp.asarray(positions))
+    tiled, tokens = compressed_scores_tiled(*args, interpret=True, **kw)
+    assert tokens == min(8, 1 << (t - 1).bit_length()) and tiled.shape[2] == -(-t // tokens) * max(16, tokens)
+    plain = compressed_scores(*args, interpret=True, **kw)
+    sel = dict(k=sp.num_selected, kernel1=sp.kernel_size, stride1=sp.kernel_stride, ratio=sp.pool_ratio,
+               num_blocks=s // sp.block_size, init_blocks=sp.init_blocks, local_blocks=sp.local_blocks)
+    got = pool_select_blocks_tiled(tiled, jnp.asarray(positions), jnp.asarray(lengths), tokens=tokens,
+                                   tile_rows=max(16, tokens), interpret=True, **sel)
+    want = pool_select_blocks_reference(plain, jnp.asarray(positions), jnp.asarray(lengths), **sel)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("nb,k", [(128, 96), (130, 96), (64, 64), (300, 7), (16, 16)])

@@ -13,7 +13,7 @@ from minicpm_jax.cache import KVCache, compressed_sizes
 from minicpm_jax.config import ModelConfig, SparseConfig
 from minicpm_jax.engine import Engine
 from minicpm_jax.model import MiniCPMForCausalLM
-from minicpm_jax.sparse import extend_compressed, select_blocks
+from minicpm_jax.sparse import block_selection, extend_compressed, select_blocks
 from pallas_kernels.sparse_attention import (
     block_sparse_attention,
     compress_step,
@@ -73,6 +73,23 @@ def test_gpu_sparse_kernels_at_8b_dims(length, t):
     out = jax.jit(lambda *a: block_sparse_attention(*a, scale=128**-0.5, block_size=64, layer=1))(
         q, cache.k, cache.v, pos, cache.lengths, blocks)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2e-2)
+
+
+@pytest.mark.parametrize("length,t", [(131072, 2048), (131072, 1), (20000, 300)])
+def test_gpu_pool_select_reads_stage1_tiles_in_place(length, t):
+    """On the GPU, the selection kernel that pools the stage-1 tiles in place picks exactly what the XLA
+    pooling + forced blocks + selection kernel pick from the same scores: the last chunk of a 128K prompt,
+    a 128K decode step and a 300-token chunk (a partial tile)."""
+    sparse = SparseConfig()
+    cache = _caches(length, sparse)
+    q = jax.random.normal(jax.random.PRNGKey(3), (1, t, 32, 128), jnp.float32).astype(jnp.bfloat16)
+    pos = (length - t + jnp.arange(t, dtype=jnp.int32))[None]
+    run = jax.jit(lambda q_, p_, c, pool: block_selection(q_, c, 1, p_, c.lengths, sparse, scale=128**-0.5,
+                                                          impl="pallas", pool_in_kernel=pool), static_argnums=3)
+    got = np.asarray(run(q, pos, cache, True))
+    want = np.asarray(run(q, pos, cache, False))
+    np.testing.assert_array_equal(got, want)
+    assert (got >= 0).sum(-1).min() == 96
 
 
 @pytest.mark.parametrize("rows,nb,k", [(2, 2051, 96), (4096, 2048, 96), (64, 4096, 128), (8, 300, 7)])
