@@ -7,10 +7,13 @@ attention, one layer at the shape's attention dims (bf16, batch 1), random q/k/v
   path with stage 2 in one block-sparse pass (no window split), and without stage 2 (compression +
   stage-1 scores, then + the block selection: pooled in the selection kernel, or pooled in XLA first), to
   split the cost.
-* decode — one query token against an ``L``-token cache: stage-1 scores + block selection + block-sparse
-  attention against the flash-decoding kernel. Calls cycle through several layers' caches so the bytes
-  come from HBM, not L2. (The compressed-cache extension of a decode step is an in-place write of one
-  entry; it is timed in the e2e rows with ``--sparse_modes``.)
+* decode — one query token against an ``L``-token cache: the decode path (the two stage-1 passes, then
+  selection + block-sparse attention in one kernel, then the split merge) against the flash-decoding
+  kernel; also timed: the general path that prefill chunks take (``fused_decode=False``) and its parts:
+  stage 1, + the block selection (pooled in the selection kernel, or in XLA), the block-sparse kernel.
+  Calls cycle through several layers' caches so the bytes come from HBM, not L2. (The compressed-cache
+  extension of a decode step is an in-place write of one entry; it is timed in the e2e rows with
+  ``--sparse_modes``.)
 """
 
 from __future__ import annotations
@@ -110,8 +113,8 @@ def bench_sparse_prefill(config: ModelConfig, sparse: SparseConfig, length: int,
 
 def bench_sparse_decode(config: ModelConfig, sparse: SparseConfig, length: int, dtype, repeats: int) -> dict:
     """Seconds per layer for one decode token against ``length`` cached tokens: dense flash-decoding,
-    the full sparse path, its stage 1, stage 1 + selection (pooled in the selection kernel, and in XLA),
-    and stage 2."""
+    the sparse decode path, and the general path with its stage 1, stage 1 + selection (pooled in the
+    selection kernel, and in XLA), and its block-sparse kernel."""
     itemsize = jnp.dtype(dtype).itemsize
     kv_bytes = 2 * config.num_kv_heads * length * config.head_dim * itemsize
     layers = max(2, min(16, -(-4 * L2_BYTES // kv_bytes)))
@@ -124,8 +127,9 @@ def bench_sparse_decode(config: ModelConfig, sparse: SparseConfig, length: int, 
     def dense(q_, c, p_):
         return [decode_attention(q_, c.k, c.v, p_, c.lengths, scale=scale, layer=i) for i in range(layers)]
 
-    def full(q_, c, p_):
-        return [sparse_attention(q_, q_, c, i, p_, c.lengths, sparse, scale=scale, impl="pallas") for i in range(layers)]
+    def full(q_, c, p_, fused=True):
+        return [sparse_attention(q_, q_, c, i, p_, c.lengths, sparse, scale=scale, impl="pallas", fused_decode=fused)
+                for i in range(layers)]
 
     def select(q_, c, p_, scores_only=False, pool_in_kernel=True):
         if not scores_only:
@@ -145,6 +149,8 @@ def bench_sparse_decode(config: ModelConfig, sparse: SparseConfig, length: int, 
     seconds = {
         "dense": device_loop_time(dense, (q, cache, pos), iters=iters, repeats=repeats),
         "sparse": device_loop_time(full, (q, cache, pos), iters=iters, repeats=repeats),
+        "sparse_unfused": device_loop_time(lambda *a: full(*a, fused=False), (q, cache, pos), iters=iters,
+                                           repeats=repeats),
         "scores": device_loop_time(lambda *a: select(*a, scores_only=True), (q, cache, pos), iters=iters,
                                    repeats=repeats),
         "select": device_loop_time(select, (q, cache, pos), iters=iters, repeats=repeats),
@@ -199,12 +205,14 @@ def sparse_markdown(r: dict) -> str:
         lines.append(f"| {p['context']} | {p['chunk']} | {_ms(s['dense'])} | {_ms(s['sparse'])} | "
                      f"{med(s['dense']) / med(s['sparse']):.2f}x | {_ms(s['scores'])} | "
                      f"{1e3 * (med(s['select']) - med(s['scores'])):.3f}{xla} | {stage2} |")
-    lines += ["", "| decode context | blocks attended | dense flash-decoding µs | sparse µs | speed-up | "
-                  "stage 1 µs | stage 1 + selection µs (pooled in the kernel / in XLA) | stage 2 µs |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| decode context | blocks attended | dense flash-decoding µs | sparse µs (decode path) | speed-up | "
+                  "general path µs | its stage 1 µs | its stage 1 + selection µs (pooled in the kernel / in XLA) | "
+                  "its block-sparse kernel µs |", "|---|---|---|---|---|---|---|---|---|"]
     for p in r["decode"]:
         s = p["seconds"]
         xla = f" / {_us(s['select_xla_pool'])}" if "select_xla_pool" in s else ""
+        general = _us(s["sparse_unfused"]) if "sparse_unfused" in s else "—"
         lines.append(f"| {p['context']} | {p['selected_blocks']} | {_us(s['dense'])} | {_us(s['sparse'])} | "
-                     f"{med(s['dense']) / med(s['sparse']):.2f}x | {_us(s['scores'])} | "
+                     f"{med(s['dense']) / med(s['sparse']):.2f}x | {general} | {_us(s['scores'])} | "
                      f"{_us(s['select'])}{xla} | {_us(s['stage2'])} |")
     return "\n".join(lines)

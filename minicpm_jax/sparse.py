@@ -47,6 +47,8 @@ from pallas_kernels.sparse_attention import (
     local_window_attention,
     merge_attention,
     pool_block_scores,
+    pool_select_attention_reference,
+    pool_select_attention_tiled,
     pool_select_blocks,
     pool_select_blocks_reference,
     pool_select_blocks_tiled,
@@ -179,13 +181,17 @@ def block_selection(
 def sparse_attention(
     q: jax.Array, q_select: jax.Array, cache: KVCache, layer: int, q_positions: jax.Array, kv_lengths: jax.Array,
     sparse: SparseConfig, *, scale: float, impl: str, split_window: bool = True, pool_in_kernel: bool = True,
+    fused_decode: bool = True,
 ) -> jax.Array:
     """InfLLM-v2 attention of ``q [B, T, H, D]`` (post-RoPE) over ``layer`` of the cache: stage-1 scores
     of ``q_select`` (``q``, or pre-RoPE q with ``use_nope``) against K1/K2, block selection, block-sparse
-    attention. ``impl``: ``pallas`` kernels or the ``xla`` references. ``split_window=False`` keeps a Pallas
-    prefill chunk in one block-sparse pass (see :func:`splits_local_window`; for benchmarks), and
-    ``pool_in_kernel=False`` pools the stage-1 scores in XLA (:func:`block_selection`). Returns
-    ``[B, T, H, D]``."""
+    attention. ``impl``: ``pallas`` kernels or the ``xla`` references. A Pallas decode step (at most
+    :data:`FUSED_DECODE_MAX_TOKENS` tokens per row) takes the four-launch decode path
+    (:func:`fused_decode_attention`) unless ``fused_decode=False``; ``split_window=False`` keeps a Pallas prefill chunk in one block-sparse pass
+    (see :func:`splits_local_window`), and ``pool_in_kernel=False`` pools the stage-1 scores in XLA
+    (:func:`block_selection`); these three are for benchmarks. Returns ``[B, T, H, D]``."""
+    if impl == "pallas" and fused_decode and q.shape[1] <= FUSED_DECODE_MAX_TOKENS:
+        return fused_decode_attention(q, q_select, cache, layer, q_positions, kv_lengths, sparse, scale=scale)
     attend_fn = block_sparse_attention if impl == "pallas" else block_sparse_attention_reference
     blocks = block_selection(q_select, cache, layer, q_positions, kv_lengths, sparse, scale=scale, impl=impl,
                              pool_in_kernel=pool_in_kernel)
@@ -203,6 +209,32 @@ def sparse_attention(
                                block_size=sparse.block_size, local_blocks=sparse.local_blocks, layer=layer),
     ]
     return merge_attention(parts).astype(q.dtype)
+
+
+# Query tokens per row up to which Pallas sparse attention runs as fused_decode_attention.
+FUSED_DECODE_MAX_TOKENS = 1
+
+
+def fused_decode_attention(
+    q: jax.Array, q_select: jax.Array, cache: KVCache, layer: int, q_positions: jax.Array, kv_lengths: jax.Array,
+    sparse: SparseConfig, *, scale: float, impl: str = "pallas",
+) -> jax.Array:
+    """:func:`sparse_attention` for a decode step in four Pallas launches: the two stage-1 passes
+    (:func:`~pallas_kernels.sparse_attention.compressed_scores_tiled`), then the pooling, the pick and
+    stage 2 in one kernel and the split merge
+    (:func:`~pallas_kernels.sparse_attention.pool_select_attention`). ``impl="xla"``: the same steps from
+    their jnp references. ``[B, T, H, D]`` in, ``[B, T, H, D]`` out."""
+    kw = dict(scale=scale, kernel1=sparse.kernel_size, stride1=sparse.kernel_stride, kernel2=sparse.kernel_size2,
+              stride2=sparse.kernel_stride2, layer=layer)
+    sel = dict(scale=scale, block_size=sparse.block_size, k_blocks=sparse.num_selected, kernel1=sparse.kernel_size,
+               stride1=sparse.kernel_stride, init_blocks=sparse.init_blocks, local_blocks=sparse.local_blocks,
+               layer=layer)
+    if impl != "pallas":
+        scores = compressed_scores_reference(q_select, cache.k1, cache.k2, q_positions, **kw)
+        return pool_select_attention_reference(q, cache.k, cache.v, scores, q_positions, kv_lengths, **sel)
+    scores, tokens = compressed_scores_tiled(q_select, cache.k1, cache.k2, q_positions, **kw)
+    return pool_select_attention_tiled(q, cache.k, cache.v, scores, q_positions, kv_lengths, tokens=tokens,
+                                       tile_rows=max(16, tokens), **sel)
 
 
 # Query tokens above which a Pallas prefill chunk attends its local windows with the window kernel.

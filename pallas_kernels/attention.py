@@ -9,6 +9,8 @@ kernels with its signature.
   group (times the query tokens) form the rows of one tile, so each K/V block is read once per group; the
   valid length is split across programs and the partial results are merged by log-sum-exp. Only keys
   below the valid length are read: the cost follows the actual context, not the buffer size.
+* :func:`merge_splits` / :func:`merge_splits_rows` — the log-sum-exp merge of per-split results, in jnp
+  and as one Pallas launch.
 
 Shared signature::
 
@@ -107,25 +109,38 @@ def attention_reference(
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-def _attend_block(q, k_ref, v_ref, start, carry, *, qk_scale, block_k, pos=None, kv_len=None, lo=None, mask=None):
+def _load_block(k_ref, v_ref, start, *, block_k, kv_len=None, lo=None):
+    """Keys and values ``[start, start + block_k)``: ``(k, v)``, unmasked if ``kv_len`` is None, else only
+    the rows below ``kv_len`` (and at or above ``lo`` if given) read, the others 0."""
+    rows = pl.ds(start, block_k)
+    if kv_len is None:
+        return k_ref[rows, :], v_ref[rows, :]
+    key = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+    in_range = key < kv_len
+    if lo is not None:
+        in_range = in_range & (key >= lo)
+    return (plt.load(k_ref.at[rows, :], mask=in_range[:, None], other=0.0),
+            plt.load(v_ref.at[rows, :], mask=in_range[:, None], other=0.0))
+
+
+def _attend_block(q, k_ref, v_ref, start, carry, *, qk_scale, block_k, pos=None, kv_len=None, lo=None, mask=None,
+                  kv=None):
     """One online-softmax step over keys ``[start, start + block_k)``; masked iff ``pos`` is given (keys
     past ``pos`` per row, at or past ``kv_len``, below ``lo`` if given, and where ``mask bool[M, block_k]``
-    is False if given, are invisible).
+    is False if given, are invisible). ``kv``: that block's ``(k, v)`` already loaded by
+    :func:`_load_block` with the same ``kv_len`` and ``lo`` (to issue several blocks' loads first).
 
     q ``[M, D]``; carry = (acc fp32 ``[M, D]``, running max ``[M]`` (log2 units), running sum ``[M]``).
     """
     acc, m, l = carry
-    rows = pl.ds(start, block_k)
-    if pos is None:
-        k = k_ref[rows, :]
-        v = v_ref[rows, :]
-    else:
+    if kv is None:
+        kv = _load_block(k_ref, v_ref, start, block_k=block_k, kv_len=None if pos is None else kv_len, lo=lo)
+    k, v = kv
+    if pos is not None:
         key = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         in_range = key < kv_len
         if lo is not None:
             in_range = in_range & (key >= lo)
-        k = plt.load(k_ref.at[rows, :], mask=in_range[:, None], other=0.0)
-        v = plt.load(v_ref.at[rows, :], mask=in_range[:, None], other=0.0)
     # fp32 inputs get full-precision dots (Triton would use TF32); bf16 runs on the tensor cores as is.
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
@@ -355,3 +370,32 @@ def merge_splits(o: jax.Array, lse: jax.Array) -> jax.Array:
     total = jnp.sum(weight, axis=-2, keepdims=True)
     weight = weight / jnp.where(total == 0.0, 1.0, total)
     return jnp.sum(weight[..., None] * o.astype(jnp.float32), axis=-3)
+
+
+def _merge_rows_kernel(o_ref, lse_ref, out_ref):
+    lse = lse_ref[...]  # [S]
+    top = jnp.max(lse)
+    weight = jnp.exp2(lse - jnp.where(top == -jnp.inf, 0.0, top))
+    total = jnp.sum(weight)
+    weight = weight / jnp.where(total == 0.0, 1.0, total)
+    out_ref[...] = jnp.sum(weight[:, None] * o_ref[...].astype(jnp.float32), axis=0).astype(out_ref.dtype)
+
+
+def merge_splits_rows(o: jax.Array, lse: jax.Array, *, out_dtype=jnp.float32, interpret: bool | None = None) -> jax.Array:
+    """Pallas version of :func:`merge_splits` (same arguments; the split count NS a power of 2), in one
+    launch with one program per row, where XLA runs three passes: ``[..., M, D]`` in ``out_dtype``."""
+    *lead, ns, m, d = o.shape
+    if not is_power_of_2(ns):
+        raise ValueError(f"merge_splits_rows needs a power-of-2 split count, got {ns}")
+    p = math.prod(lead)
+    out = pl.pallas_call(
+        _merge_rows_kernel,
+        grid=(p, m),
+        in_specs=[pl.BlockSpec((None, ns, None, d), lambda i, r: (i, 0, r, 0)),
+                  pl.BlockSpec((None, ns, None), lambda i, r: (i, 0, r))],
+        out_specs=pl.BlockSpec((None, None, d), lambda i, r: (i, r, 0)),
+        out_shape=jax.ShapeDtypeStruct((p, m, d), out_dtype),
+        name="minicpm_merge_splits",
+        **launch_options(KernelConfig(block_q=1, block_k=ns, num_warps=4, num_stages=1), interpret),
+    )(o.reshape(p, ns, m, d), lse.reshape(p, ns, m))
+    return out.reshape(*lead, m, d)

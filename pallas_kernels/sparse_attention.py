@@ -15,6 +15,9 @@ Each Pallas kernel sits beside a plain-jnp reference with the same signature.
   query's forced local window (its block and the ``local_blocks`` before it), tiled over tokens like dense
   flash attention; with :func:`merge_attention` and the block-sparse kernel over the blocks below the
   window it gives a prefill chunk's stage 2 (``minicpm_jax.sparse.sparse_attention``).
+* :func:`pool_select_attention_reference` / :func:`pool_select_attention` — the selection and the
+  block-sparse attention from stage-1 scores in one kernel, for decode (every program of a token repeats
+  the token's selection, then attends its share of the picks).
 
 Shapes: q ``[B, T, H, D]``; k, v ``[B, KVH, S, D]`` and compressed keys ``[B, KVH, N, D]``, or the stacked
 caches ``[L, B, KVH, ., D]`` with ``layer`` naming the slice (kernels read it in place). Query head ``h``
@@ -38,7 +41,9 @@ from pallas_kernels.attention import (
     _check_shapes,
     _key_block,
     _layer_view,
+    _load_block,
     merge_splits,
+    merge_splits_rows,
     pad_query_blocks,
 )
 from pallas_kernels.backend import KernelConfig, launch_options, next_power_of_2, num_cores, tuned_config
@@ -100,11 +105,18 @@ def compressed_scores_reference(
     return jnp.sum(p, axis=2)
 
 
-def _lse_kernel(q_ref, pos_ref, k2_ref, m_ref, l_ref, *, qk_scale, kernel2, stride2, block_n, n2, blocks_per_split):
+def _row_positions(pos_ref, rows: int, tokens: int, group_pad: int) -> jax.Array:
+    """int32 ``[rows]``: the position of each row of a stage-1 tile (row ``r`` = the tile's token ``r //
+    group_pad``), gathered from the batch row's padded positions ``pos_ref [T_pad]``."""
+    return plt.load(pos_ref.at[pl.program_id(2) * tokens + lax.broadcasted_iota(jnp.int32, (rows,), 0) // group_pad])
+
+
+def _lse_kernel(q_ref, pos_ref, k2_ref, m_ref, l_ref, *, qk_scale, kernel2, stride2, block_n, n2, blocks_per_split,
+                tokens, group_pad):
     """Pass 1, one split of the coarse keys: running max and sum (log2 units) of each row's scores."""
     q = q_ref[...]
-    pos = pos_ref[...]
     rows = q.shape[0]
+    pos = _row_positions(pos_ref, rows, tokens, group_pad)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
     def step(j, carry):
@@ -129,14 +141,18 @@ def _lse_kernel(q_ref, pos_ref, k2_ref, m_ref, l_ref, *, qk_scale, kernel2, stri
     l_ref[...] = l
 
 
-def _score_kernel(q_ref, pos_ref, lse_ref, k1_ref, o_ref, *, qk_scale, group, group_pad, kernel1, stride1,
-                  block_n, n1, blocks_per_split):
-    """Pass 2, one split of the fine keys: exp2(s - LSE) summed over each token's heads."""
+def _score_kernel(q_ref, pos_ref, m_ref, l_ref, k1_ref, o_ref, *, qk_scale, group, group_pad, kernel1, stride1,
+                  block_n, n1, blocks_per_split, tokens):
+    """Pass 2, one split of the fine keys: the LSE merged from pass 1's per-split max/sum (``[S, rows]``),
+    then exp2(s - LSE) summed over each token's heads."""
     q = q_ref[...]
-    pos = pos_ref[...]
-    lse = lse_ref[...]
-    seen = lse > _MASKED
     rows = q.shape[0]
+    pos = _row_positions(pos_ref, rows, tokens, group_pad)
+    m_part, l_part = m_ref[...], l_ref[...]
+    top = jnp.max(m_part, axis=0)
+    total = jnp.sum(l_part * jnp.exp2(m_part - top[None, :]), axis=0)
+    seen = total > 0.0
+    lse = jnp.where(seen, top + jnp.log2(jnp.where(seen, total, 1.0)), _MASKED)
     out_rows = o_ref.shape[0]
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     # The group reduction is a dot with the [out_rows, rows] indicator of "row r is a real head of token
@@ -197,50 +213,51 @@ def compressed_scores_tiled(
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, t_pad - t), (0, group_pad - group), (0, 0)))
     qr = qg.reshape(b, kvh, t_pad * group_pad, d)
     pos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, t_pad - t)), mode="edge")
-    row_pos = jnp.repeat(pos, group_pad, axis=1)
     n_t = t_pad // tokens
     rows = tokens * group_pad
     opts = launch_options(cfg, interpret)
     q_spec = pl.BlockSpec((None, None, rows, d), lambda i, j, n, s: (i, j, n, 0))
-    pos_spec = pl.BlockSpec((None, rows), lambda i, j, n, s: (i, n))
+    pos_spec = pl.BlockSpec((None, t_pad), lambda i, j, n, s: (i, 0))
+    tile = dict(tokens=tokens, group_pad=group_pad)
 
     blocks2 = pl.cdiv(n2, block_n)
-    splits2 = _splits(blocks2, b * kvh * n_t)
+    splits2 = next_power_of_2(_splits(blocks2, b * kvh * n_t))  # a power of 2: pass 2 loads all partials
     per2 = pl.cdiv(blocks2, splits2)
     part_spec = pl.BlockSpec((None, None, None, rows), lambda i, j, n, s: (i, j, s, n))
     m, l = pl.pallas_call(
         functools.partial(_lse_kernel, qk_scale=scale * _LOG2E, kernel2=kernel2, stride2=stride2, block_n=block_n,
-                          n2=n2, blocks_per_split=per2),
+                          n2=n2, blocks_per_split=per2, **tile),
         grid=(b, kvh, n_t, splits2),
         in_specs=[q_spec, pos_spec, pl.BlockSpec((None, None, None, n2, d), lambda i, j, n, s: (layer, i, j, 0, 0))],
         out_specs=[part_spec, part_spec],
         out_shape=[jax.ShapeDtypeStruct((b, kvh, splits2, t_pad * group_pad), jnp.float32)] * 2,
         name="minicpm_infllm_lse", **opts,
-    )(qr, row_pos, k2)
-    top = jnp.max(m, axis=2)
-    total = jnp.sum(l * jnp.exp2(m - top[:, :, None]), axis=2)
-    lse = jnp.where(total > 0.0, top + jnp.log2(jnp.where(total > 0.0, total, 1.0)), _MASKED)
-    if extra_logits is not None:  # one more coarse key per (token, head) joins the LSE (log2 units)
+    )(qr, pos, k2)
+    if extra_logits is not None:  # one more coarse key per (token, head) joins the LSE: one more partial
         e = extra_logits.astype(jnp.float32).reshape(b, t, kvh, group).transpose(0, 2, 1, 3) * _LOG2E
         e = jnp.pad(e, ((0, 0), (0, 0), (0, t_pad - t), (0, group_pad - group)), constant_values=-jnp.inf)
-        e = e.reshape(b, kvh, t_pad * group_pad)
-        hi = jnp.maximum(lse, e)
-        merged = hi + jnp.log2(jnp.exp2(lse - hi) + jnp.exp2(e - hi))
-        lse = jnp.where(jnp.isneginf(e), lse, merged)
+        e = e.reshape(b, kvh, 1, t_pad * group_pad)
+        pad = next_power_of_2(splits2 + 1) - splits2
+        m = jnp.concatenate([m, jnp.where(jnp.isneginf(e), _MASKED, e),
+                             jnp.full((b, kvh, pad - 1, t_pad * group_pad), _MASKED, jnp.float32)], axis=2)
+        l = jnp.concatenate([l, jnp.where(jnp.isneginf(e), 0.0, 1.0),
+                             jnp.zeros((b, kvh, pad - 1, t_pad * group_pad), jnp.float32)], axis=2)
+    parts = m.shape[2]
 
     blocks1 = pl.cdiv(n1, block_n)
     splits1 = num_splits or _splits(blocks1, b * kvh * n_t)
     per1 = pl.cdiv(blocks1, splits1)
+    parts_spec = pl.BlockSpec((None, None, parts, rows), lambda i, j, n, s: (i, j, 0, n))
     out = pl.pallas_call(
         functools.partial(_score_kernel, qk_scale=scale * _LOG2E, group=group, group_pad=group_pad, kernel1=kernel1,
-                          stride1=stride1, block_n=block_n, n1=n1, blocks_per_split=per1),
+                          stride1=stride1, block_n=block_n, n1=n1, blocks_per_split=per1, tokens=tokens),
         grid=(b, kvh, n_t, splits1),
-        in_specs=[q_spec, pos_spec, pl.BlockSpec((None, None, rows), lambda i, j, n, s: (i, j, n)),
+        in_specs=[q_spec, pos_spec, parts_spec, parts_spec,
                   pl.BlockSpec((None, None, None, n1, d), lambda i, j, n, s: (layer, i, j, 0, 0))],
         out_specs=pl.BlockSpec((None, None, out_rows, n1), lambda i, j, n, s: (i, j, n, 0)),
         out_shape=jax.ShapeDtypeStruct((b, kvh, n_t * out_rows, n1), jnp.float32),
         name="minicpm_infllm_scores", **opts,
-    )(qr, row_pos, lse, k1)
+    )(qr, pos, m, l, k1)
     return out, tokens
 
 
@@ -315,27 +332,39 @@ def select_top_blocks_reference(block_score: jax.Array, limit: jax.Array, *, k: 
 _INT32_MIN = -(2**31)
 
 
-def _pick_row(score: jax.Array, lim: jax.Array, o_ref, *, k: int):
-    """One row's selection from ``score fp32[nbp]``: the k-th largest score by a 32-step bitwise search over
-    order-preserving int32 keys, then the picks (ties by lowest index, none past ``lim``) written at their
-    ranks: a stable partition of the row's indices, picked ones first, of which the first
-    ``o_ref.shape[0]`` slots are stored (no sort, no top-k)."""
+def _pick_mask(score: jax.Array, lim: jax.Array, *, k: int) -> jax.Array:
+    """``bool[nbp]``: the k best entries of ``score fp32[nbp]`` (ties by lowest index), none past ``lim``.
+    The k-th largest score comes from a bitwise search (at most 32 steps) over order-preserving int32
+    keys (no sort, no top-k)."""
     nbp = score.shape[0]
-    width = o_ref.shape[0]
     bits = lax.bitcast_convert_type(score, jnp.int32)
     key = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # the floats' order; -0.0 just below +0.0 (as lax.top_k)
 
-    def search(i, t):  # t: the threshold's bits so far, in unsigned order (the int32 sign bit flipped)
+    def search(carry):  # t: the threshold's bits so far, in unsigned order (the int32 sign bit flipped)
+        i, t, _ = carry
         cand = t | lax.shift_left(jnp.int32(1), 31 - i)
-        enough = jnp.sum((key >= (cand ^ _INT32_MIN)).astype(jnp.int32)) >= k
-        return jnp.where(enough, cand, t)
+        count = jnp.sum((key >= (cand ^ _INT32_MIN)).astype(jnp.int32))
+        return i + 1, jnp.where(count >= k, cand, t), count == k
 
-    kth = lax.fori_loop(0, 32, search, jnp.int32(0)) ^ _INT32_MIN  # the k-th largest key
+    # Each step is a block-wide reduction (~0.15 us); the search stops early once exactly k keys reach the
+    # candidate (then those k are the picks, and the threshold below selects them whatever its low bits).
+    _, t, _ = lax.while_loop(lambda c: (c[0] < 32) & ~c[2], search, (jnp.int32(0), jnp.int32(0), False))
+    kth = t ^ _INT32_MIN  # the k-th largest key, or (early stop) a key that exactly k keys reach
     above = key > kth
     tie = key == kth
     need = k - jnp.sum(above.astype(jnp.int32))
     idx = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
-    take = (above | (tie & (jnp.cumsum(tie.astype(jnp.int32)) <= need))) & (idx <= lim)
+    return (above | (tie & (jnp.cumsum(tie.astype(jnp.int32)) <= need))) & (idx <= lim)
+
+
+def _pick_row(score: jax.Array, lim: jax.Array, o_ref, *, k: int):
+    """One row's selection from ``score fp32[nbp]`` (:func:`_pick_mask`), the picks written at their
+    ranks: a stable partition of the row's indices, picked ones first, of which the first
+    ``o_ref.shape[0]`` slots are stored."""
+    nbp = score.shape[0]
+    width = o_ref.shape[0]
+    take = _pick_mask(score, lim, k=k)
+    idx = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
     rank = jnp.cumsum(take.astype(jnp.int32))  # inclusive
     total = jnp.sum(take.astype(jnp.int32))
     pos = jnp.where(take, rank - 1, total + idx - rank)  # a permutation of 0..nbp-1
@@ -388,14 +417,13 @@ def pool_select_blocks_reference(
     return select_top_blocks_reference(block_score, limit, k=k, top_k=top_k)
 
 
-def _pool_select_kernel(len_ref, pos_ref, s_ref, o_ref, *, k, kernel1, stride1, ratio, n1, num_blocks, init_blocks,
-                        local_blocks):
-    """One (batch, KV head, token) row: the fine scores max-pooled to blocks in registers (strided loads of
-    the row: entries ``ratio*b - 1 .. ratio*b + ratio - 1`` of block ``b``), the forced blocks, then
-    :func:`_pick_row`."""
+def _pooled_block_scores(s_ref, pos, kv_len, *, kernel1, stride1, ratio, n1, num_blocks, init_blocks,
+                         local_blocks) -> tuple[jax.Array, jax.Array]:
+    """One row's block scores ``fp32[next_power_of_2(num_blocks)]`` and its limit (the query's block): the
+    fine scores in ``s_ref [N1]`` max-pooled in registers (strided loads of the row: entries ``ratio*b - 1
+    .. ratio*b + ratio - 1`` of block ``b``; visible entries count their score, existing invisible ones 0),
+    the init and local blocks forced to +inf and blocks past the query's -inf."""
     nbp = next_power_of_2(num_blocks)
-    pos = pos_ref[0]
-    kv_len = len_ref[pl.program_id(0)]
     n_exist = jnp.where(kv_len >= kernel1, (kv_len - kernel1) // stride1 + 1, 0)
     blk = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
     score = jnp.full((nbp,), -jnp.inf, jnp.float32)
@@ -407,7 +435,12 @@ def _pool_select_kernel(len_ref, pos_ref, s_ref, o_ref, *, k, kernel1, stride1, 
         score = jnp.maximum(score, jnp.where(visible, s, jnp.where(real, 0.0, -jnp.inf)))
     lim = pos // (stride1 * ratio)
     forced = (blk < init_blocks) | (blk >= lim - local_blocks)
-    score = jnp.where(blk > lim, -jnp.inf, jnp.where(forced, jnp.inf, score))
+    return jnp.where(blk > lim, -jnp.inf, jnp.where(forced, jnp.inf, score)), lim
+
+
+def _pool_select_kernel(len_ref, pos_ref, s_ref, o_ref, *, k, **pool):
+    """One (batch, KV head, token) row: :func:`_pooled_block_scores`, then :func:`_pick_row`."""
+    score, lim = _pooled_block_scores(s_ref, pos_ref[0], len_ref[pl.program_id(0)], **pool)
     _pick_row(score, lim, o_ref, k=k)
 
 
@@ -530,6 +563,18 @@ def _sparse_kernel(len_ref, q_ref, pos_ref, idx_ref, k_ref, v_ref, o_ref, lse_re
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
 
 
+def _split_grid_io(b: int, kvh: int, t: int, splits: int, rows: int, s: int, d: int, layer: int):
+    """Specs of the stage-2 kernels on grid (batch, KV head, token, split): the K and V inputs (one layer
+    of the stacked cache, read in place), and the per-split outputs o fp32 ``[B, KVH, T, splits, rows, D]``
+    and lse fp32 ``[B, KVH, T, splits, rows]`` (log2 units). Returns (kv_specs, out_specs, out_shape)."""
+    kv = pl.BlockSpec((None, None, None, s, d), lambda i, j, n, sp: (layer, i, j, 0, 0))
+    out_specs = [pl.BlockSpec((None, None, None, None, rows, d), lambda i, j, n, sp: (i, j, n, sp, 0, 0)),
+                 pl.BlockSpec((None, None, None, None, rows), lambda i, j, n, sp: (i, j, n, sp, 0))]
+    out_shape = [jax.ShapeDtypeStruct((b, kvh, t, splits, rows, d), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kvh, t, splits, rows), jnp.float32)]
+    return [kv, kv], out_specs, out_shape
+
+
 def sparse_splits(batch: int, kv_heads: int, tokens: int, max_blocks: int) -> int:
     """Programs sharing one (token, KV group)'s selected blocks: enough for two programs per SM, at least
     two blocks per program; 1 for prefill chunks (tokens x groups already fill the GPU)."""
@@ -567,6 +612,7 @@ def block_sparse_attention(
     cfg = config or SPARSE_CONFIG
     kernel = functools.partial(_sparse_kernel, qk_scale=scale * _LOG2E, block_size=block_size, seq_len=s,
                                per_split=per_split, whole_blocks=whole_blocks)
+    kv_specs, out_specs, out_shape = _split_grid_io(b, kvh, t, splits, rows, s, d, layer)
     o, lse = pl.pallas_call(
         kernel,
         grid=(b, kvh, t, splits),
@@ -575,17 +621,10 @@ def block_sparse_attention(
             pl.BlockSpec((None, None, None, rows, d), lambda i, j, n, sp: (i, j, n, 0, 0)),
             pl.BlockSpec((None, None, rows), lambda i, j, n, sp: (i, n, 0)),
             pl.BlockSpec((None, None, None, k_pad), lambda i, j, n, sp: (i, j, n, 0)),
-            pl.BlockSpec((None, None, None, s, d), lambda i, j, n, sp: (layer, i, j, 0, 0)),
-            pl.BlockSpec((None, None, None, s, d), lambda i, j, n, sp: (layer, i, j, 0, 0)),
+            *kv_specs,
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, None, rows, d), lambda i, j, n, sp: (i, j, n, sp, 0, 0)),
-            pl.BlockSpec((None, None, None, None, rows), lambda i, j, n, sp: (i, j, n, sp, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, kvh, t, splits, rows, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, kvh, t, splits, rows), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         name="minicpm_infllm_sparse_attention",
         **launch_options(cfg, interpret),
     )(kv_lengths.astype(jnp.int32), qg, row_pos, idx, k, v)
@@ -704,6 +743,160 @@ def merge_attention(parts: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
     o = jnp.stack([o for o, _ in parts], axis=-3)
     lse = jnp.stack([lse for _, lse in parts], axis=-2) * _LOG2E
     return merge_splits(o, lse)
+
+
+# ------------------------------------------------------------- decode: selection and stage 2 in one kernel
+#
+# A decode step's sparse attention is latency-bound: its data is a few MB (K1/K2 and 96 blocks), but the
+# general path is a chain of ~10 launches (two stage-1 passes and their merge, the selection, index and
+# query padding, the block-sparse kernel, the split merge). For decode the chain is four launches: the two
+# stage-1 passes (the LSE merged inside the second), one kernel in which every program of a token repeats
+# the pooling and the pick and then attends its share of the picks, and the split merge as one kernel.
+
+
+def _group_tiles(q: jax.Array, kv_heads: int, rows: int) -> jax.Array:
+    """``[B, T, H, D]`` → ``[B, T, KVH * rows, D]``: each KV group's query heads padded to ``rows`` (a view
+    when the group already has ``rows`` heads)."""
+    b, t, h, d = q.shape
+    group = h // kv_heads
+    if group == rows:
+        return q
+    qg = jnp.pad(q.reshape(b, t, kv_heads, group, d), ((0, 0), (0, 0), (0, 0), (0, rows - group), (0, 0)))
+    return qg.reshape(b, t, kv_heads * rows, d)
+
+
+def pool_select_attention_reference(
+    q: jax.Array, k: jax.Array, v: jax.Array, scores: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array, *,
+    scale: float, block_size: int, k_blocks: int, kernel1: int, stride1: int, init_blocks: int, local_blocks: int,
+    layer: int | None = None,
+) -> jax.Array:
+    """Block selection from stage-1 scores ``fp32[B, KVH, T, N1]`` and the block-sparse attention of q
+    ``[B, T, H, D]`` over the picks, in plain jnp: :func:`pool_select_blocks_reference` (``k_blocks`` picks
+    of ``block_size``-token blocks, ``block_size / stride1`` fine entries per block, blocks counted over
+    the whole cache) then :func:`block_sparse_attention_reference`. Returns ``[B, T, H, D]``."""
+    s = (k if layer is None else k[layer]).shape[2]
+    num_blocks = -(-s // block_size)
+    blocks = pool_select_blocks_reference(scores, q_positions, kv_lengths, k=min(k_blocks, num_blocks),
+                                          kernel1=kernel1, stride1=stride1, ratio=block_size // stride1,
+                                          num_blocks=num_blocks, init_blocks=init_blocks, local_blocks=local_blocks)
+    return block_sparse_attention_reference(q, k, v, q_positions, kv_lengths, blocks, scale=scale,
+                                            block_size=block_size, layer=layer)
+
+
+# Picks per program up to which pool_select_attention unrolls its loop and loads all picked blocks first.
+_UNROLLED_PICKS = 4
+
+
+def _pool_select_attend_kernel(len_ref, pos_ref, s_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_scale, k,
+                               block_size, seq_len, per_split, tokens, pool):
+    """One (batch, KV head, token, split): the token's pooled block scores and picks (the same in every
+    split of the token), then online softmax over the picks ranked ``[split * per_split, ...)``."""
+    kv_len = len_ref[pl.program_id(0)]
+    pos = pos_ref[pl.program_id(0) * tokens + pl.program_id(2)]
+    score, lim = _pooled_block_scores(s_ref, pos, kv_len, **pool)
+    take = _pick_mask(score, lim, k=k)
+    blk = lax.broadcasted_iota(jnp.int32, score.shape, 0)
+    rank = jnp.where(take, jnp.cumsum(take.astype(jnp.int32)), 0)  # 1.. for picks in ascending block order
+    total = jnp.sum(take.astype(jnp.int32))
+    q = q_ref[...]
+    rows = q.shape[0]
+    row_pos = jnp.full((rows,), pos, jnp.int32)
+    first = pl.program_id(3) * per_split
+    step = functools.partial(_attend_block, q, k_ref, v_ref, qk_scale=qk_scale, block_k=block_size, pos=row_pos)
+
+    def block(r):  # the pick of rank r (0-based): where its slice starts, its first key, its key limit
+        block_start = jnp.sum(jnp.where(rank == r + 1, blk, 0)) * block_size
+        # The slice is clamped into the buffer; keys before the block's start are masked out by `lo`; a
+        # rank past the picks gets an empty range (nothing read, nothing attended).
+        limit = jnp.where(r < total, jnp.minimum(kv_len, block_start + block_size), block_start)
+        return jnp.minimum(block_start, seq_len - block_size), block_start, limit
+
+    carry = (jnp.zeros((rows, q.shape[1]), jnp.float32), jnp.full((rows,), _MASKED, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+    if per_split <= _UNROLLED_PICKS:  # every pick's loads are issued before the first one is used
+        picks = [block(first + i) for i in range(per_split)]
+        kvs = [_load_block(k_ref, v_ref, start, block_k=block_size, kv_len=limit, lo=lo) for start, lo, limit in picks]
+        for (start, lo, limit), kv in zip(picks, kvs):
+            carry = step(start, carry, kv_len=limit, lo=lo, kv=kv)
+    else:
+        def body(r, c):
+            start, lo, limit = block(r)
+            return step(start, c, kv_len=limit, lo=lo)
+
+        carry = lax.fori_loop(first, jnp.minimum(first + per_split, total), body, carry)
+    acc, m, l = carry
+    empty = l == 0.0
+    o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+
+
+def pool_select_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, scores: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array, *,
+    scale: float, block_size: int, k_blocks: int, kernel1: int, stride1: int, init_blocks: int, local_blocks: int,
+    layer: int | None = None, num_splits: int | None = None, config: KernelConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Pallas version of :func:`pool_select_attention_reference` (same signature): the selection and stage
+    2 in one launch, then the split merge in another (:func:`merge_splits_rows`). Grid (batch, KV head,
+    token, split): every program of a token pools and picks (:func:`_pooled_block_scores`,
+    :func:`_pick_mask`: bit for bit the reference's picks), then attends the picks of its rank range in
+    ascending block order, as :func:`block_sparse_attention` attends a split of the sorted list. Meant for
+    a few tokens (decode), where repeating the selection in every split costs less than a launch.
+    ``num_splits`` is rounded up to a power of 2."""
+    return pool_select_attention_tiled(q, k, v, scores, q_positions, kv_lengths, tokens=1, tile_rows=1, scale=scale,
+                                       block_size=block_size, k_blocks=k_blocks, kernel1=kernel1, stride1=stride1,
+                                       init_blocks=init_blocks, local_blocks=local_blocks, layer=layer,
+                                       num_splits=num_splits, config=config, interpret=interpret)
+
+
+def pool_select_attention_tiled(
+    q: jax.Array, k: jax.Array, v: jax.Array, scores: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array, *,
+    tokens: int, tile_rows: int, scale: float, block_size: int, k_blocks: int, kernel1: int, stride1: int,
+    init_blocks: int, local_blocks: int, layer: int | None = None, num_splits: int | None = None,
+    config: KernelConfig | None = None, interpret: bool | None = None,
+) -> jax.Array:
+    """:func:`pool_select_attention` on scores in :func:`compressed_scores_tiled`'s layout (``fp32[B, KVH,
+    n_tiles * tile_rows, N1]``, token ``t`` in row ``(t // tokens) * tile_rows + t % tokens``), read in
+    place."""
+    (k, _), (v, layer) = _layer_view(k, layer), _layer_view(v, layer)
+    b, t, h, d = q.shape
+    kvh, s = k.shape[2], k.shape[3]
+    if s < block_size:
+        raise ValueError(f"pool_select_attention needs a cache of at least one block ({block_size}), got {s}")
+    n1 = scores.shape[-1]
+    num_blocks = pl.cdiv(s, block_size)
+    k_sel = min(k_blocks, num_blocks)
+    group = h // kvh
+    rows = max(_MIN_ROWS, next_power_of_2(group))
+    splits = next_power_of_2(num_splits or sparse_splits(b, kvh, t, k_sel))
+    per_split = pl.cdiv(k_sel, splits)
+    nbp = next_power_of_2(num_blocks)
+    cfg = config or KernelConfig(block_q=1, block_k=block_size, num_warps=4 if nbp <= 2048 else 8, num_stages=1)
+    pool = dict(kernel1=kernel1, stride1=stride1, ratio=block_size // stride1, n1=n1, num_blocks=num_blocks,
+                init_blocks=init_blocks, local_blocks=local_blocks)
+    kernel = functools.partial(_pool_select_attend_kernel, qk_scale=scale * _LOG2E, k=k_sel, block_size=block_size,
+                               seq_len=s, per_split=per_split, tokens=t, pool=pool)
+    tiled = scores.reshape(b, kvh, -1, tile_rows, n1)
+    kv_specs, out_specs, out_shape = _split_grid_io(b, kvh, t, splits, rows, s, d, layer)
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(b, kvh, t, splits),
+        in_specs=[
+            pl.BlockSpec((b,), lambda i, j, n, sp: (0,)),
+            pl.BlockSpec((b * t,), lambda i, j, n, sp: (0,)),
+            pl.BlockSpec((None, None, None, None, n1), lambda i, j, n, sp: (i, j, n // tokens, n % tokens, 0)),
+            pl.BlockSpec((None, None, rows, d), lambda i, j, n, sp: (i, n, j, 0)),
+            *kv_specs,
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        name="minicpm_infllm_pool_select_attention",
+        **launch_options(cfg, interpret),
+    )(kv_lengths.astype(jnp.int32), q_positions.astype(jnp.int32).reshape(-1), tiled, _group_tiles(q, kvh, rows), k, v)
+    out = merge_splits_rows(o, lse, out_dtype=q.dtype, interpret=interpret)  # [B, KVH, T, rows, D]
+    if group == rows and t == 1:  # [B, KVH, 1, G, D] is [B, 1, H, D] already
+        return out.reshape(b, t, h, d)
+    return out[:, :, :, :group].transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
 
 
 # -------------------------------------------------------------------------- compressed-cache decode step

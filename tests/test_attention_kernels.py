@@ -14,7 +14,13 @@ from flax import nnx
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.engine import Engine
 from minicpm_jax.model import MiniCPMForCausalLM
-from pallas_kernels.attention import attention_reference, decode_attention, prefill_attention
+from pallas_kernels.attention import (
+    attention_reference,
+    decode_attention,
+    merge_splits,
+    merge_splits_rows,
+    prefill_attention,
+)
 from pallas_kernels.backend import TUNED, KernelConfig
 from tests.helpers import tiny_minicpm_config
 
@@ -111,6 +117,29 @@ def test_decode_kernel_ignores_cache_past_the_valid_length():
         out = kernel(q, k, v, positions, lengths, scale=0.2, config=SMALL)
         ref = attention_reference(q, k[:, :, :50], v[:, :, :50], positions, lengths, scale=0.2)
         assert _rel_err(out, ref) < 1e-5
+
+
+def test_merge_splits_kernel_matches_merge_splits():
+    """The one-launch split merge (interpret mode) = the jnp merge: empty splits (-inf) and a row whose
+    splits are all empty (zeros), fp32 and bf16 partial outputs, an output dtype; NumPy for one row."""
+    rng = np.random.default_rng(5)
+    o = jnp.asarray(rng.standard_normal((2, 3, 8, 5, 32)), jnp.float32)
+    lse = rng.standard_normal((2, 3, 8, 5)).astype(np.float32) * 4
+    lse[0, 1, 2] = -np.inf
+    lse[1, 2, :, 3] = -np.inf
+    lse = jnp.asarray(lse)
+    for parts, out_dtype in ((o, jnp.float32), (o.astype(jnp.bfloat16), jnp.bfloat16)):
+        got = merge_splits_rows(parts, lse, out_dtype=out_dtype, interpret=True)
+        want = merge_splits(parts, lse)
+        assert got.shape == want.shape and got.dtype == out_dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want.astype(out_dtype), np.float32),
+                                   rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(merge_splits_rows(o, lse, interpret=True))[1, 2, 3], 0.0)
+    w = np.exp2(np.asarray(lse)[0, 0, :, 1] - np.max(np.asarray(lse)[0, 0, :, 1]))
+    want_row = (w / w.sum()) @ np.asarray(o)[0, 0, :, 1]
+    np.testing.assert_allclose(np.asarray(merge_splits_rows(o, lse, interpret=True))[0, 0, 1], want_row, rtol=1e-5)
+    with pytest.raises(ValueError, match="power-of-2 split count"):
+        merge_splits_rows(o[:, :, :6], lse[:, :, :6], interpret=True)
 
 
 def test_kernels_reject_unsupported_shapes():

@@ -83,7 +83,8 @@ def test_bench_sparse_smoke_on_cpu(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())["sparse"]
     assert set(result["prefill"][0]["seconds"]) == {"dense", "sparse", "sparse_unsplit", "scores", "select", "select_xla_pool"}
-    assert set(result["decode"][0]["seconds"]) == {"dense", "sparse", "scores", "select", "select_xla_pool", "stage2"}
+    assert set(result["decode"][0]["seconds"]) == {"dense", "sparse", "sparse_unfused", "scores", "select",
+                                                       "select_xla_pool", "stage2"}
     assert all(t[0] > 0 for t in result["decode"][0]["seconds"].values())
     assert "| 256 | 128 |" in r.stdout and "| decode context | blocks attended |" in r.stdout
     assert "(pooled in the kernel / in XLA)" in r.stdout  # the pooling selection kernel beside XLA pooling

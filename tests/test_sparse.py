@@ -22,6 +22,7 @@ from minicpm_jax.cache import KVCache
 from minicpm_jax.sparse import (
     attention_mode,
     extend_compressed,
+    fused_decode_attention,
     resolve_sparse,
     rope_inverse,
     select_blocks,
@@ -40,6 +41,8 @@ from pallas_kernels.sparse_attention import (
     local_window_attention,
     local_window_attention_reference,
     merge_attention,
+    pool_select_attention,
+    pool_select_attention_reference,
     pool_select_blocks,
     pool_select_blocks_reference,
     pool_select_blocks_tiled,
@@ -473,6 +476,101 @@ def test_block_sparse_kernel_matches_reference(splits):
     np.testing.assert_allclose(np.asarray(block_sparse_attention(q, k, v, positions, lengths, every, scale=0.3,
                                                                  block_size=bs, layer=2, interpret=True)),
                                np.asarray(dense), atol=2e-6)
+
+
+@pytest.mark.parametrize("splits,k_blocks", [(None, 6), (1, 6), (3, 6), (2, 40)])
+def test_pool_select_attention_kernel_matches_reference(splits, k_blocks):
+    """Selection and stage 2 in one kernel (interpret mode) = the reference: XLA pooling, forced blocks,
+    top-k + sort, then the block-sparse reference over the picks. Fine scores with heavy ties and NaN
+    garbage wherever a query cannot see; batch rows of different lengths, a query past its row's cached
+    length, a group of 4 heads padded to 16 rows, three tokens per row, a cache that is not a whole number
+    of blocks; split counts whose programs unroll their picks (<= 4 each; 3 is rounded up to 4) or loop
+    over them (1 split: all 6), and k larger than the block count (all 13 kept)."""
+    rng = np.random.default_rng(21)
+    b, t, h, kvh, d, s, bs, stride1, kernel1 = 2, 3, 8, 2, 16, 100, 8, 2, 4
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((3, b, kvh, s, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((3, b, kvh, s, d)), jnp.float32)
+    positions = np.array([[60, 80, 99], [10, 40, 98]], np.int32)  # row 1 holds 98 keys: 98 is past them
+    lengths = np.array([100, 98], np.int32)
+    n1 = s // stride1
+    scores = np.round(rng.random((b, kvh, t, n1)) * 6).astype(np.float32) / 6  # ties
+    visible = np.asarray(compressed_visible(jnp.asarray(positions), n1, kernel=kernel1, stride=stride1))[:, None]
+    scores = jnp.asarray(np.where(visible, scores, np.nan).astype(np.float32))
+    kw = dict(scale=0.3, block_size=bs, k_blocks=k_blocks, kernel1=kernel1, stride1=stride1, init_blocks=1,
+              local_blocks=2, layer=2)
+    args = (q, k, v, scores, jnp.asarray(positions), jnp.asarray(lengths))
+    want = pool_select_attention_reference(*args, **kw)
+    got = pool_select_attention(*args, num_splits=splits, interpret=True, **kw)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
+    # the reference is the composition it names: picks of pool_select_blocks_reference, attended
+    picks = pool_select_blocks_reference(scores, jnp.asarray(positions), jnp.asarray(lengths), k=min(k_blocks, 13),
+                                         kernel1=kernel1, stride1=stride1, ratio=bs // stride1, num_blocks=13,
+                                         init_blocks=1, local_blocks=2)
+    again = block_sparse_attention_reference(q, k, v, jnp.asarray(positions), jnp.asarray(lengths), picks, scale=0.3,
+                                             block_size=bs, layer=2)
+    np.testing.assert_array_equal(np.asarray(want), np.asarray(again))
+    assert int(jnp.sum(picks[0, 0, 2] >= 0)) == min(k_blocks, 13)
+
+
+@pytest.mark.parametrize("use_nope", [False, True])
+def test_fused_decode_attention_equals_the_general_path(use_nope):
+    """A Pallas decode step (one token per row) takes the four-launch decode path; it equals the general
+    path (stage 1, selection kernel, block-sparse kernel), the jnp references of both, and HF-semantics
+    sparse attention, for a batch of three rows at different lengths (one below the local window)."""
+    cfg = dataclasses.replace(SMALL, use_nope=use_nope)
+    rng = np.random.default_rng(31)
+    b, h, kvh, d, s = 3, 8, 2, 16, MAX_LEN
+    k, k1, k2 = _random_caches(32, b, kvh, s, d, cfg)
+    v = rng.standard_normal((b, kvh, s, d)).astype(np.float32)
+    lengths = jnp.asarray([128, 77, 20], jnp.int32)
+    cache = KVCache(k=jnp.asarray(k)[None], v=jnp.asarray(v)[None], lengths=lengths, k1=jnp.asarray(k1)[None],
+                    k2=jnp.asarray(k2)[None])
+    q = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.float32)
+    q_select = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.float32) if use_nope else q
+    pos = (lengths - 1)[:, None]
+    kw = dict(scale=d**-0.5)
+    want = sparse_attention(q, q_select, cache, 0, pos, lengths, cfg, impl="xla", **kw)
+    got = sparse_attention(q, q_select, cache, 0, pos, lengths, cfg, impl="pallas", **kw)
+    general = sparse_attention(q, q_select, cache, 0, pos, lengths, cfg, impl="pallas", fused_decode=False, **kw)
+    reference = fused_decode_attention(q, q_select, cache, 0, pos, lengths, cfg, impl="xla", **kw)
+    for other in (general, reference, got):
+        np.testing.assert_allclose(np.asarray(other), np.asarray(want), atol=3e-6)
+    # not a dense softmax in disguise: the long rows attend 5 of 16 (and 10) blocks
+    from pallas_kernels.attention import attention_reference
+    dense = attention_reference(q, cache.k, cache.v, pos, lengths, scale=d**-0.5, layer=0)
+    assert float(jnp.max(jnp.abs(got[:2] - dense[:2]))) > 1e-2
+
+
+def test_fused_decode_path_lowers_for_cuda_without_a_gpu(monkeypatch):
+    """Triton lowering of the decode path's four kernels (MiniCPM4-8B dims, a 128K cache) under an abstract
+    H100: power-of-2 loads and supported primitives."""
+    from tests.test_attention_kernels import _abstract_gpu_mesh
+    monkeypatch.setattr("pallas_kernels.backend.default_interpret", lambda: False)  # Triton, not interpret
+    try:
+        mesh = _abstract_gpu_mesh()
+    except (ImportError, TypeError) as e:  # pragma: no cover - older jax
+        pytest.skip(f"this jax cannot trace for an abstract GPU: {e}")
+    from minicpm_jax.cache import compressed_sizes
+    sp = SparseConfig()
+    length = 131208
+    n1, n2 = compressed_sizes(sp, length)
+    spec = jax.ShapeDtypeStruct
+    kv = spec((2, 1, 2, length, 128), jnp.bfloat16)
+    cache = KVCache(k=kv, v=kv, lengths=spec((1,), jnp.int32), k1=spec((2, 1, 2, n1, 128), jnp.bfloat16),
+                    k2=spec((2, 1, 2, n2, 128), jnp.bfloat16))
+
+    def fn(q, cache, pos):
+        with jax.sharding.use_abstract_mesh(mesh):
+            return sparse_attention(q, q, cache, 1, pos, cache.lengths, sp, scale=128**-0.5, impl="pallas")
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(fn).trace(spec((1, 1, 32, 128), jnp.bfloat16), cache, spec((1, 1), jnp.int32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    for name in ("minicpm_infllm_lse", "minicpm_infllm_scores", "minicpm_infllm_pool_select_attention",
+                 "minicpm_merge_splits"):
+        assert name in text, name
 
 
 @pytest.mark.parametrize("bs,local,t,start", [(8, 2, 37, 50), (8, 3, 64, 0), (16, 1, 40, 77)])

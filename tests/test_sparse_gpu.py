@@ -13,7 +13,8 @@ from minicpm_jax.cache import KVCache, compressed_sizes
 from minicpm_jax.config import ModelConfig, SparseConfig
 from minicpm_jax.engine import Engine
 from minicpm_jax.model import MiniCPMForCausalLM
-from minicpm_jax.sparse import block_selection, extend_compressed, select_blocks
+from minicpm_jax.sparse import block_selection, extend_compressed, select_blocks, sparse_attention
+from pallas_kernels.attention import merge_splits, merge_splits_rows
 from pallas_kernels.sparse_attention import (
     block_sparse_attention,
     compress_step,
@@ -22,6 +23,7 @@ from pallas_kernels.sparse_attention import (
     compressed_scores,
     compressed_scores_reference,
     compressed_visible,
+    pool_select_attention_reference,
     select_top_blocks,
     select_top_blocks_reference,
 )
@@ -31,16 +33,18 @@ from tests.test_sparse import SMALL
 pytestmark = pytest.mark.gpu
 
 
-def _caches(length: int, sparse: SparseConfig, seed: int = 0):
+def _caches(length: int, sparse: SparseConfig, seed: int = 0, batch: int = 1):
+    """2 layers of MiniCPM4-8B-shaped (2 KV heads x 128) random bf16 K/V, layer 1's K1/K2 filled; row ``i`` of
+    the batch holds ``length - 37 i`` tokens."""
     keys = jax.random.split(jax.random.PRNGKey(seed), 2)
-    shape = (2, 1, 2, length, 128)  # 2 layers, MiniCPM4-8B: 2 KV heads x 128
+    shape = (2, batch, 2, length, 128)
     k = jax.random.normal(keys[0], shape, jnp.float32).astype(jnp.bfloat16)
     v = jax.random.normal(keys[1], shape, jnp.float32).astype(jnp.bfloat16)
     n1, n2 = compressed_sizes(sparse, length)
-    cache = KVCache(k=k, v=v, lengths=jnp.zeros((1,), jnp.int32), k1=jnp.zeros((2, 1, 2, n1, 128), jnp.bfloat16),
-                    k2=jnp.zeros((2, 1, 2, n2, 128), jnp.bfloat16))
-    full = jnp.array([length], jnp.int32)
-    cache = extend_compressed(cache, 1, jnp.zeros((1,), jnp.int32), full, sparse, max_tokens=length)
+    cache = KVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32),
+                    k1=jnp.zeros((2, batch, 2, n1, 128), jnp.bfloat16), k2=jnp.zeros((2, batch, 2, n2, 128), jnp.bfloat16))
+    full = length - 37 * jnp.arange(batch, dtype=jnp.int32)
+    cache = extend_compressed(cache, 1, jnp.zeros((batch,), jnp.int32), full, sparse, max_tokens=length)
     return dataclasses.replace(cache, lengths=full)
 
 
@@ -107,6 +111,41 @@ def test_gpu_select_top_blocks_kernel_matches_reference(rows, nb, k):
     got = np.asarray(jax.jit(lambda a, b: select_top_blocks(a, b, k=k))(xs, ls))
     want = np.asarray(jax.jit(lambda a, b: select_top_blocks_reference(a, b, k=k))(xs, ls))
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("length,batch", [(131072, 1), (20000, 3)])
+def test_gpu_fused_decode_path_at_8b_dims(length, batch):
+    """The decode path (two stage-1 passes, selection + stage 2 in one kernel, the merge kernel), Triton-
+    compiled: equal to the general path (same stage-1 scores, so the same picks; the splits are summed in
+    another grouping), to the jnp reference of selection + stage 2 from the same scores, and within bf16
+    tolerance to the all-jnp path; a 128K decode step, and a batch of rows at different lengths."""
+    sparse = SparseConfig()
+    cache = _caches(length, sparse, batch=batch)
+    q = jax.random.normal(jax.random.PRNGKey(4), (batch, 1, 32, 128), jnp.float32).astype(jnp.bfloat16)
+    pos = (cache.lengths - 1)[:, None]
+    scale = 128**-0.5
+    run = jax.jit(lambda q_, c, fused: sparse_attention(q_, q_, c, 1, pos, c.lengths, sparse, scale=scale,
+                                                        impl="pallas", fused_decode=fused), static_argnums=2)
+    got = np.asarray(run(q, cache, True), np.float32)
+    general = np.asarray(run(q, cache, False), np.float32)
+    np.testing.assert_allclose(got, general, atol=2e-3)
+    scores = jax.jit(lambda q_, c: compressed_scores(q_, c.k1, c.k2, pos, scale=scale, kernel1=32, stride1=16,
+                                                     kernel2=128, stride2=64, layer=1))(q, cache)
+    sel = dict(scale=scale, block_size=64, k_blocks=96, kernel1=32, stride1=16, init_blocks=1, local_blocks=32, layer=1)
+    want = pool_select_attention_reference(q, cache.k, cache.v, scores, pos, cache.lengths, **sel)
+    np.testing.assert_allclose(got, np.asarray(want, np.float32), atol=2e-3)
+    every_jnp = sparse_attention(q, q, cache, 1, pos, cache.lengths, sparse, scale=scale, impl="xla")
+    np.testing.assert_allclose(got, np.asarray(every_jnp, np.float32), atol=3e-2)
+
+
+def test_gpu_merge_splits_kernel():
+    rng = np.random.default_rng(0)
+    o = jnp.asarray(rng.standard_normal((1, 2, 1, 64, 16, 128)), jnp.float32)
+    lse = rng.standard_normal((1, 2, 1, 64, 16)).astype(np.float32) * 3
+    lse[..., 40:, :] = -np.inf  # empty splits
+    got = jax.jit(lambda a, b: merge_splits_rows(a, b, out_dtype=jnp.bfloat16))(o, jnp.asarray(lse))
+    want = merge_splits(o, jnp.asarray(lse))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=1e-2)
 
 
 def test_gpu_compress_step_at_8b_dims():
