@@ -122,7 +122,6 @@ def bench_sparse_decode(config: ModelConfig, sparse: SparseConfig, length: int, 
     q = jax.random.normal(jax.random.PRNGKey(2), (1, 1, config.num_heads, config.head_dim), jnp.float32).astype(dtype)
     pos = jnp.array([[length - 1]], jnp.int32)
     scale = config.head_dim**-0.5
-    n_blocks = -(-length // sparse.block_size)
 
     def dense(q_, c, p_):
         return [decode_attention(q_, c.k, c.v, p_, c.lengths, scale=scale, layer=i) for i in range(layers)]

@@ -123,6 +123,19 @@ def _load_block(k_ref, v_ref, start, *, block_k, kv_len=None, lo=None):
             plt.load(v_ref.at[rows, :], mask=in_range[:, None], other=0.0))
 
 
+def _empty_carry(rows: int, d: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The online-softmax carry of :func:`_attend_block` before any key: (acc 0, max ``_MASKED``, sum 0)."""
+    return jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32)
+
+
+def _store_split(o_ref, lse_ref, carry):
+    """Writes a finished carry: o = acc / sum (0 for a row that saw no key) and its log2-sum-exp (-inf then)."""
+    acc, m, l = carry
+    empty = l == 0.0
+    o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+
+
 def _attend_block(q, k_ref, v_ref, start, carry, *, qk_scale, block_k, pos=None, kv_len=None, lo=None, mask=None,
                   kv=None):
     """One online-softmax step over keys ``[start, start + block_k)``; masked iff ``pos`` is given (keys
@@ -172,12 +185,7 @@ def _prefill_kernel(len_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, *, qk_scale, b
     hi = jnp.clip(jnp.max(pos) + 1, 0, kv_len)
     n_full = lo // block_k
     n_all = pl.cdiv(hi, block_k)
-    m_rows = q.shape[0]
-    carry = (
-        jnp.zeros((m_rows, q.shape[1]), jnp.float32),
-        jnp.full((m_rows,), _MASKED, jnp.float32),
-        jnp.zeros((m_rows,), jnp.float32),
-    )
+    carry = _empty_carry(q.shape[0], q.shape[1])
     step = functools.partial(_attend_block, q, k_ref, v_ref, qk_scale=qk_scale, block_k=block_k)
     carry = lax.fori_loop(0, n_full, lambda j, c: step(j * block_k, c), carry)
     carry = lax.fori_loop(n_full, n_all, lambda j, c: step(j * block_k, c, pos=pos, kv_len=kv_len), carry)
@@ -249,17 +257,9 @@ def _decode_kernel(len_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_
     per_split = pl.cdiv(n_blocks, num_splits)
     first = split * per_split
     last = jnp.minimum(first + per_split, n_blocks)
-    m_rows = q.shape[0]
-    carry = (
-        jnp.zeros((m_rows, q.shape[1]), jnp.float32),
-        jnp.full((m_rows,), _MASKED, jnp.float32),
-        jnp.zeros((m_rows,), jnp.float32),
-    )
+    carry = _empty_carry(q.shape[0], q.shape[1])
     step = functools.partial(_attend_block, q, k_ref, v_ref, qk_scale=qk_scale, block_k=block_k, pos=pos, kv_len=kv_len)
-    acc, m, l = lax.fori_loop(first, last, lambda j, c: step(j * block_k, c), carry)
-    empty = l == 0.0
-    o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+    _store_split(o_ref, lse_ref, lax.fori_loop(first, last, lambda j, c: step(j * block_k, c), carry))
 
 
 def group_rows(x: jax.Array, kv_heads: int) -> tuple[jax.Array, int]:

@@ -39,11 +39,13 @@ from pallas_kernels.attention import (
     _MASKED,
     _attend_block,
     _check_shapes,
+    _empty_carry,
     _key_block,
     _layer_view,
     _load_block,
     merge_splits,
     merge_splits_rows,
+    _store_split,
     pad_query_blocks,
 )
 from pallas_kernels.backend import KernelConfig, launch_options, next_power_of_2, num_cores, tuned_config
@@ -555,12 +557,18 @@ def _sparse_kernel(len_ref, q_ref, pos_ref, idx_ref, k_ref, v_ref, o_ref, lse_re
         return _attend_block(q, k_ref, v_ref, start, carry, qk_scale=qk_scale, block_k=block_size, pos=pos,
                              kv_len=limit, lo=block_start)
 
-    carry = (jnp.zeros((rows, q.shape[1]), jnp.float32), jnp.full((rows,), _MASKED, jnp.float32),
-             jnp.zeros((rows,), jnp.float32))
-    acc, m, l = lax.fori_loop(first, last, step, carry)
-    empty = l == 0.0
-    o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+    _store_split(o_ref, lse_ref, lax.fori_loop(first, last, step, _empty_carry(rows, q.shape[1])))
+
+
+def _group_tiles(q: jax.Array, kv_heads: int, rows: int) -> jax.Array:
+    """``[B, T, H, D]`` → ``[B, T, KVH * rows, D]``: each KV group's query heads padded to ``rows`` (a view
+    when the group already has ``rows`` heads)."""
+    b, t, h, d = q.shape
+    group = h // kv_heads
+    if group == rows:
+        return q
+    qg = jnp.pad(q.reshape(b, t, kv_heads, group, d), ((0, 0), (0, 0), (0, 0), (0, rows - group), (0, 0)))
+    return qg.reshape(b, t, kv_heads * rows, d)
 
 
 def _split_grid_io(b: int, kvh: int, t: int, splits: int, rows: int, s: int, d: int, layer: int):
@@ -604,8 +612,6 @@ def block_sparse_attention(
     n_sel = block_indices.shape[-1]
     k_pad = next_power_of_2(n_sel)
     idx = jnp.pad(block_indices.astype(jnp.int32), ((0, 0), (0, 0), (0, 0), (0, k_pad - n_sel)), constant_values=-1)
-    qg = q.reshape(b, t, kvh, group, d).transpose(0, 2, 1, 3, 4)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, rows - group), (0, 0)))
     row_pos = jnp.broadcast_to(q_positions.astype(jnp.int32)[:, :, None], (b, t, rows))
     splits = num_splits or sparse_splits(b, kvh, t, n_sel)
     per_split = pl.cdiv(k_pad, splits)
@@ -618,7 +624,7 @@ def block_sparse_attention(
         grid=(b, kvh, t, splits),
         in_specs=[
             pl.BlockSpec((b,), lambda i, j, n, sp: (0,)),
-            pl.BlockSpec((None, None, None, rows, d), lambda i, j, n, sp: (i, j, n, 0, 0)),
+            pl.BlockSpec((None, None, rows, d), lambda i, j, n, sp: (i, n, j, 0)),
             pl.BlockSpec((None, None, rows), lambda i, j, n, sp: (i, n, 0)),
             pl.BlockSpec((None, None, None, k_pad), lambda i, j, n, sp: (i, j, n, 0)),
             *kv_specs,
@@ -627,7 +633,7 @@ def block_sparse_attention(
         out_shape=out_shape,
         name="minicpm_infllm_sparse_attention",
         **launch_options(cfg, interpret),
-    )(kv_lengths.astype(jnp.int32), qg, row_pos, idx, k, v)
+    )(kv_lengths.astype(jnp.int32), _group_tiles(q, kvh, rows), row_pos, idx, k, v)
     out = o[:, :, :, 0] if splits == 1 else merge_splits(o, lse)  # [B, KVH, T, rows, D]
     out = out[:, :, :, :group].transpose(0, 2, 1, 3, 4).reshape(b, t, h, d).astype(q.dtype)
     if not return_lse:
@@ -681,9 +687,7 @@ def _window_kernel(len_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_
     n_all = pl.cdiv(jnp.clip(jnp.max(pos) + 1, 0, kv_len), block_k)
     n_lo = jnp.minimum(pl.cdiv(jnp.max(lo), block_k), n_all)  # blocks [min lo, max lo) need the lower mask
     n_full = jnp.clip(jnp.clip(jnp.min(pos) + 1, 0, kv_len) // block_k, n_lo, n_all)  # [n_lo, n_full): all see
-    m_rows = q.shape[0]
-    carry = (jnp.zeros((m_rows, q.shape[1]), jnp.float32), jnp.full((m_rows,), _MASKED, jnp.float32),
-             jnp.zeros((m_rows,), jnp.float32))
+    carry = _empty_carry(q.shape[0], q.shape[1])
     step = functools.partial(_attend_block, q, k_ref, v_ref, qk_scale=qk_scale, block_k=block_k)
 
     def masked(j, c):
@@ -692,10 +696,7 @@ def _window_kernel(len_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_
 
     carry = lax.fori_loop(jnp.min(lo) // block_k, n_lo, masked, carry)
     carry = lax.fori_loop(n_lo, n_full, lambda j, c: step(j * block_k, c), carry)
-    acc, m, l = lax.fori_loop(n_full, n_all, masked, carry)
-    empty = l == 0.0
-    o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+    _store_split(o_ref, lse_ref, lax.fori_loop(n_full, n_all, masked, carry))
 
 
 def local_window_attention(
@@ -754,17 +755,6 @@ def merge_attention(parts: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
 # the pooling and the pick and then attends its share of the picks, and the split merge as one kernel.
 
 
-def _group_tiles(q: jax.Array, kv_heads: int, rows: int) -> jax.Array:
-    """``[B, T, H, D]`` → ``[B, T, KVH * rows, D]``: each KV group's query heads padded to ``rows`` (a view
-    when the group already has ``rows`` heads)."""
-    b, t, h, d = q.shape
-    group = h // kv_heads
-    if group == rows:
-        return q
-    qg = jnp.pad(q.reshape(b, t, kv_heads, group, d), ((0, 0), (0, 0), (0, 0), (0, rows - group), (0, 0)))
-    return qg.reshape(b, t, kv_heads * rows, d)
-
-
 def pool_select_attention_reference(
     q: jax.Array, k: jax.Array, v: jax.Array, scores: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array, *,
     scale: float, block_size: int, k_blocks: int, kernel1: int, stride1: int, init_blocks: int, local_blocks: int,
@@ -774,8 +764,7 @@ def pool_select_attention_reference(
     ``[B, T, H, D]`` over the picks, in plain jnp: :func:`pool_select_blocks_reference` (``k_blocks`` picks
     of ``block_size``-token blocks, ``block_size / stride1`` fine entries per block, blocks counted over
     the whole cache) then :func:`block_sparse_attention_reference`. Returns ``[B, T, H, D]``."""
-    s = (k if layer is None else k[layer]).shape[2]
-    num_blocks = -(-s // block_size)
+    num_blocks = -(-k.shape[-2] // block_size)
     blocks = pool_select_blocks_reference(scores, q_positions, kv_lengths, k=min(k_blocks, num_blocks),
                                           kernel1=kernel1, stride1=stride1, ratio=block_size // stride1,
                                           num_blocks=num_blocks, init_blocks=init_blocks, local_blocks=local_blocks)
@@ -811,8 +800,7 @@ def _pool_select_attend_kernel(len_ref, pos_ref, s_ref, q_ref, k_ref, v_ref, o_r
         limit = jnp.where(r < total, jnp.minimum(kv_len, block_start + block_size), block_start)
         return jnp.minimum(block_start, seq_len - block_size), block_start, limit
 
-    carry = (jnp.zeros((rows, q.shape[1]), jnp.float32), jnp.full((rows,), _MASKED, jnp.float32),
-             jnp.zeros((rows,), jnp.float32))
+    carry = _empty_carry(rows, q.shape[1])
     if per_split <= _UNROLLED_PICKS:  # every pick's loads are issued before the first one is used
         picks = [block(first + i) for i in range(per_split)]
         kvs = [_load_block(k_ref, v_ref, start, block_k=block_size, kv_len=limit, lo=lo) for start, lo, limit in picks]
@@ -824,10 +812,7 @@ def _pool_select_attend_kernel(len_ref, pos_ref, s_ref, q_ref, k_ref, v_ref, o_r
             return step(start, c, kv_len=limit, lo=lo)
 
         carry = lax.fori_loop(first, jnp.minimum(first + per_split, total), body, carry)
-    acc, m, l = carry
-    empty = l == 0.0
-    o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+    _store_split(o_ref, lse_ref, carry)
 
 
 def pool_select_attention(
@@ -894,8 +879,6 @@ def pool_select_attention_tiled(
         **launch_options(cfg, interpret),
     )(kv_lengths.astype(jnp.int32), q_positions.astype(jnp.int32).reshape(-1), tiled, _group_tiles(q, kvh, rows), k, v)
     out = merge_splits_rows(o, lse, out_dtype=q.dtype, interpret=interpret)  # [B, KVH, T, rows, D]
-    if group == rows and t == 1:  # [B, KVH, 1, G, D] is [B, 1, H, D] already
-        return out.reshape(b, t, h, d)
     return out[:, :, :, :group].transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
 
 

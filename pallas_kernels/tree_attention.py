@@ -34,11 +34,12 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.attention import (
     _LOG2E,
-    _MASKED,
     _attend_block,
     _check_shapes,
+    _empty_carry,
     _key_block,
     _layer_view,
+    _store_split,
     decode_splits,
     group_rows,
     merge_splits,
@@ -88,11 +89,7 @@ def _tree_kernel(len_ref, q_ref, lo_word_ref, hi_word_ref, k_ref, v_ref, o_ref, 
     split = pl.program_id(2)
     q = q_ref[...]
     m_rows = q.shape[0]
-    carry = (
-        jnp.zeros((m_rows, q.shape[1]), jnp.float32),
-        jnp.full((m_rows,), _MASKED, jnp.float32),
-        jnp.zeros((m_rows,), jnp.float32),
-    )
+    carry = _empty_carry(m_rows, q.shape[1])
     # Prefix splits: every key in [lo, prefix) is visible (only the end blocks are masked).
     lo = 0 if window is None else jnp.maximum(prefix - window, 0)
     first_block = lo // block_k
@@ -116,11 +113,7 @@ def _tree_kernel(len_ref, q_ref, lo_word_ref, hi_word_ref, k_ref, v_ref, o_ref, 
         return _attend_block(q, k_ref, v_ref, start, c, qk_scale=qk_scale, block_k=tree_keys,
                              pos=jnp.full((m_rows,), end, jnp.int32), kv_len=end, lo=prefix, mask=bit != 0)
 
-    carry = lax.fori_loop(0, (split == num_prefix_splits).astype(jnp.int32), tree_step, carry)
-    acc, m, l = carry
-    empty = l == 0.0
-    o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+    _store_split(o_ref, lse_ref, lax.fori_loop(0, (split == num_prefix_splits).astype(jnp.int32), tree_step, carry))
 
 
 def tree_attention(

@@ -512,6 +512,9 @@ def test_pool_select_attention_kernel_matches_reference(splits, k_blocks):
                                              block_size=bs, layer=2)
     np.testing.assert_array_equal(np.asarray(want), np.asarray(again))
     assert int(jnp.sum(picks[0, 0, 2] >= 0)) == min(k_blocks, 13)
+    with pytest.raises(ValueError, match="at least one block"):
+        pool_select_attention(q, k[:, :, :, :bs - 1], v[:, :, :, :bs - 1], scores, jnp.asarray(positions),
+                              jnp.asarray(lengths), interpret=True, **kw)
 
 
 @pytest.mark.parametrize("use_nope", [False, True])
