@@ -54,10 +54,12 @@ from pallas_kernels.backend import KernelConfig, launch_options, next_power_of_2
 _MIN_ROWS = 16
 
 # Stage 1: block_q = query tokens per tile (times the padded group = rows; the group reduction is a dot
-# with a [16, rows] indicator), block_k = compressed keys per step. Measured on an H100, jax 0.11.2: 24
-# configs on a 2048-query chunk at 32K; 8 tokens x 64 keys, 4 warps, 1 stage: 0.24 ms (16 tokens, 8 warps:
-# 0.27 ms; an fp32 instead of bf16 group reduction made it 7x slower).
-SCORES_CONFIG = KernelConfig(block_q=8, block_k=64, num_warps=4, num_stages=1)
+# with a [max(16, tokens), rows] indicator), block_k = compressed keys per step. Measured on an H100, jax
+# 0.11.2, a 2048-query chunk at 64K / 128K (BENCHMARKS.md, 2026-11-24 eighth session), once the masks were
+# confined to the causal edge: 16 tokens x 64 keys, 4 warps, 1 stage: 0.30 / 0.56 ms; 8 tokens (the
+# earlier choice, whose 16-row output tiles are half padding): 0.38 / 0.71; 8 x 128 keys 0.33 / 0.60;
+# 8 warps, 2 stages, 32 keys or 32 tokens slower (an fp32 instead of bf16 group reduction: 7x slower).
+SCORES_CONFIG = KernelConfig(block_q=16, block_k=64, num_warps=4, num_stages=1)
 SPARSE_CONFIG = KernelConfig(block_q=_MIN_ROWS, block_k=64, num_warps=4, num_stages=2)
 
 
@@ -121,24 +123,31 @@ def _lse_kernel(q_ref, pos_ref, k2_ref, m_ref, l_ref, *, qk_scale, kernel2, stri
     pos = _row_positions(pos_ref, rows, tokens, group_pad)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
-    def step(j, carry):
+    def step(j, carry, masked: bool):
         m, l = carry
         start = jnp.minimum(j * block_n, n2 - block_n)  # clamped so the slice stays in the buffer
-        key = start + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
         k = k2_ref[pl.ds(start, block_n), :]
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32) * qk_scale
-        visible = (key[None, :] * stride2 + (kernel2 - 1) <= pos[:, None]) & (key[None, :] >= j * block_n)
-        s = jnp.where(visible, s, _MASKED)
+        if masked:
+            key = start + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
+            visible = (key[None, :] * stride2 + (kernel2 - 1) <= pos[:, None]) & (key[None, :] >= j * block_n)
+            s = jnp.where(visible, s, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)
+        p = jnp.exp2(s - m_new[:, None])
+        if masked:
+            p = jnp.where(visible, p, 0.0)
         return m_new, l * jnp.exp2(m - m_new) + jnp.sum(p, axis=1)
 
     n_vis = jnp.maximum((jnp.max(pos) + 1 - kernel2) // stride2 + 1, 0)
     first = pl.program_id(3) * blocks_per_split
     last = jnp.minimum(first + blocks_per_split, pl.cdiv(n_vis, block_n))
-    m, l = lax.fori_loop(first, last, step,
-                         (jnp.full((rows,), _MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32)))
+    # Blocks below `mid` are visible to every row (whole and unclamped): no per-element mask there.
+    n_full = jnp.maximum((jnp.min(pos) + 1 - kernel2) // stride2 + 1, 0) // block_n
+    mid = jnp.clip(n_full, first, last)
+    carry = (jnp.full((rows,), _MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    carry = lax.fori_loop(first, mid, functools.partial(step, masked=False), carry)
+    m, l = lax.fori_loop(mid, last, functools.partial(step, masked=True), carry)
     m_ref[...] = m
     l_ref[...] = l
 
@@ -167,22 +176,40 @@ def _score_kernel(q_ref, pos_ref, m_ref, l_ref, k1_ref, o_ref, *, qk_scale, grou
     reduce_dtype = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
     indicator = jnp.where(owner, 1.0, 0.0).astype(reduce_dtype)
 
-    def step(j, carry):
+    lse_row = jnp.where(seen, lse, jnp.inf)[:, None]  # rows that see nothing get exp2(s - inf) = 0
+
+    def step(j, carry, masked: bool):
         start = jnp.minimum(j * block_n, n1 - block_n)
-        key = start + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
         k = k1_ref[pl.ds(start, block_n), :]
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32) * qk_scale
-        visible = (key[None, :] * stride1 + (kernel1 - 1) <= pos[:, None]) & seen[:, None]
-        p = jnp.where(visible, jnp.exp2(s - lse[:, None]), 0.0)
-        o_ref[:, pl.ds(start, block_n)] = jnp.dot(indicator, p.astype(reduce_dtype), precision=precision,
-                                                  preferred_element_type=jnp.float32)
+                            preferred_element_type=jnp.float32) * qk_scale - lse_row
+        if masked:
+            key = start + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
+            s = jnp.where(key[None, :] * stride1 + (kernel1 - 1) <= pos[:, None], s, -jnp.inf)
+        p = jnp.exp2(s).astype(reduce_dtype)
+        o_ref[:, pl.ds(start, block_n)] = jnp.dot(indicator, p, precision=precision,
+                                                  preferred_element_type=jnp.float32).astype(o_ref.dtype)
         return carry  # (the loop carries nothing; Triton's loop needs a value to yield)
 
     n_vis = jnp.maximum((jnp.max(pos) + 1 - kernel1) // stride1 + 1, 0)
     first = pl.program_id(3) * blocks_per_split
     last = jnp.minimum(first + blocks_per_split, pl.cdiv(n_vis, block_n))
-    lax.fori_loop(first, last, step, jnp.zeros((), jnp.int32) + first)
+    # Blocks below `mid` are visible to every row of the tile (the causal rule only cuts the last ones):
+    # they skip the per-element mask.
+    n_full = jnp.maximum((jnp.min(pos) + 1 - kernel1) // stride1 + 1, 0) // block_n
+    mid = jnp.clip(n_full, first, last)
+    init = jnp.zeros((), jnp.int32) + first
+    lax.fori_loop(first, mid, functools.partial(step, masked=False), init)
+    lax.fori_loop(mid, last, functools.partial(step, masked=True), init)
+
+
+def scores_dtype(q_dtype, tokens: int) -> jnp.dtype:
+    """The dtype the stage-1 kernel stores its scores in, for tiles of ``tokens`` query tokens: bf16 for
+    bf16 prefill tiles, as InfLLM-v2's kernel writes them (the HF code ranks bf16 scores with torch.topk;
+    the [T, N1] score matrix is the largest tensor of a sparse prefill, and 16 bits halve its traffic);
+    float32 for float32 queries (exact tests) and for one-token (decode) tiles, whose few scores the
+    selection + attention kernel re-reads once per split (bf16 measured slower there)."""
+    return jnp.bfloat16 if q_dtype == jnp.bfloat16 and tokens > 1 else jnp.float32
 
 
 def _splits(blocks: int, programs: int) -> int:
@@ -196,7 +223,8 @@ def compressed_scores_tiled(
     extra_logits: jax.Array | None = None, num_splits: int | None = None, config: KernelConfig | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, int]:
-    """:func:`compressed_scores` as the kernel writes them: fp32 ``[B, KVH, n_tiles * max(16, tokens), N1]``
+    """:func:`compressed_scores` as the kernel writes them: ``[B, KVH, n_tiles * max(16, tokens), N1]`` in
+    :func:`scores_dtype` (bf16 for bf16 prefill tiles, else fp32)
     (token ``t`` in row ``(t // tokens) * max(16, tokens) + t % tokens``; the other rows are padding) and
     ``tokens``, the tokens per tile; :func:`pool_select_blocks_tiled` reads this without a copy."""
     (k1, _), (k2, layer) = _layer_view(k1, layer), _layer_view(k2, layer)
@@ -257,7 +285,7 @@ def compressed_scores_tiled(
         in_specs=[q_spec, pos_spec, parts_spec, parts_spec,
                   pl.BlockSpec((None, None, None, n1, d), lambda i, j, n, s: (layer, i, j, 0, 0))],
         out_specs=pl.BlockSpec((None, None, out_rows, n1), lambda i, j, n, s: (i, j, n, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, kvh, n_t * out_rows, n1), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((b, kvh, n_t * out_rows, n1), scores_dtype(q.dtype, tokens)),
         name="minicpm_infllm_scores", **opts,
     )(qr, pos, m, l, k1)
     return out, tokens
@@ -274,8 +302,9 @@ def compressed_scores(
 
     Two kernels, each with grid (batch, KV head, token tile, split of the keys): pass 1 reduces each
     row's scores against the coarse keys to partial max/sum per split (merged here into the LSE); pass 2
-    scores the fine keys. A tile holds up to 8 tokens times the padded group (one token for decode).
-    ``num_splits`` fixes the pass-2 split count.
+    scores the fine keys; key steps that every row of a tile sees whole skip the causal mask. A tile holds
+    up to ``SCORES_CONFIG.block_q`` tokens times the padded group (one token for decode). Scores come in
+    :func:`scores_dtype`. ``num_splits`` fixes the pass-2 split count.
     """
     t = q.shape[1]
     raw, tokens = compressed_scores_tiled(q, k1, k2, q_positions, scale=scale, kernel1=kernel1, stride1=stride1,
@@ -299,7 +328,7 @@ def pool_block_scores(scores: jax.Array, q_positions: jax.Array, kv_lengths: jax
     r = ratio
     visible = compressed_visible(q_positions, n1, kernel=kernel1, stride=stride1)
     exists = jnp.arange(n1) < compressed_count(kv_lengths, kernel=kernel1, stride=stride1)[:, None]
-    s = jnp.where(visible[:, None], scores, jnp.where(exists[:, None, None, :], 0.0, -jnp.inf))
+    s = jnp.where(visible[:, None], scores.astype(jnp.float32), jnp.where(exists[:, None, None, :], 0.0, -jnp.inf))
     width = r * num_blocks + 1
     s = s[..., : width - 1] if n1 >= width - 1 else jnp.pad(s, ((0, 0),) * 3 + ((0, width - 1 - n1),),
                                                              constant_values=-jnp.inf)
@@ -431,7 +460,8 @@ def _pooled_block_scores(s_ref, pos, kv_len, *, kernel1, stride1, ratio, n1, num
     score = jnp.full((nbp,), -jnp.inf, jnp.float32)
     for c in range(-1, ratio):
         entry = ratio * blk + c
-        s = plt.load(s_ref.at[jnp.clip(entry, 0, n1 - 1)])  # (clamped: entries outside the row are masked)
+        # (clamped: entries outside the row are masked below; bf16 prefill scores are widened exactly)
+        s = plt.load(s_ref.at[jnp.clip(entry, 0, n1 - 1)]).astype(jnp.float32)
         real = (entry >= 0) & (entry < n1) & (entry < n_exist)
         visible = real & (entry * stride1 + (kernel1 - 1) <= pos)  # visible entries exist
         score = jnp.maximum(score, jnp.where(visible, s, jnp.where(real, 0.0, -jnp.inf)))

@@ -45,6 +45,7 @@ from pallas_kernels.sparse_attention import (
     pool_select_attention_reference,
     pool_select_blocks,
     pool_select_blocks_reference,
+    SCORES_CONFIG,
     pool_select_blocks_tiled,
     select_top_blocks,
     select_top_blocks_reference,
@@ -233,10 +234,11 @@ def test_pool_select_kernel_matches_reference_and_numpy(ratio, num_blocks, k, in
         pool_select_blocks(*args, interpret=True, **{**kw, "k": 0})
 
 
-@pytest.mark.parametrize("t", [1, 20])
+@pytest.mark.parametrize("t", [1, 5, 20])
 def test_pool_select_reads_the_stage1_kernel_tiles_in_place(t):
-    """The selection kernel reads the stage-1 kernel's tiled output (8 tokens per 16-row tile, one token
-    per tile for decode, rows past the chunk) in place and picks what it picks from the plain layout."""
+    """The selection kernel reads the stage-1 kernel's tiled output (16 tokens per tile; a short chunk's
+    8 tokens in a 16-row tile, half padding; one token per tile for decode; rows past the chunk) in place
+    and picks what it picks from the plain layout."""
     sp = SMALL
     b, kvh, group, d, s = 2, 2, 4, 16, 96
     _, k1, k2 = _random_caches(5, b, kvh, s, d, sp)
@@ -247,7 +249,8 @@ def test_pool_select_reads_the_stage1_kernel_tiles_in_place(t):
     kw = dict(scale=d**-0.5, **_score_kw(sp))
     args = (q, jnp.asarray(k1), jnp.asarray(k2), jnp.asarray(positions))
     tiled, tokens = compressed_scores_tiled(*args, interpret=True, **kw)
-    assert tokens == min(8, 1 << (t - 1).bit_length()) and tiled.shape[2] == -(-t // tokens) * max(16, tokens)
+    assert tokens == min(SCORES_CONFIG.block_q, 1 << (t - 1).bit_length())
+    assert tiled.shape[2] == -(-t // tokens) * max(16, tokens)
     plain = compressed_scores(*args, interpret=True, **kw)
     sel = dict(k=sp.num_selected, kernel1=sp.kernel_size, stride1=sp.kernel_stride, ratio=sp.pool_ratio,
                num_blocks=s // sp.block_size, init_blocks=sp.init_blocks, local_blocks=sp.local_blocks)
@@ -255,6 +258,39 @@ def test_pool_select_reads_the_stage1_kernel_tiles_in_place(t):
                                    tile_rows=max(16, tokens), interpret=True, **sel)
     want = pool_select_blocks_reference(plain, jnp.asarray(positions), jnp.asarray(lengths), **sel)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("t", [1, 40])
+def test_bf16_stage1_scores_are_stored_in_bf16_for_prefill_tiles(t):
+    """bf16 queries: prefill tiles store the stage-1 scores in bf16 (as InfLLM-v2's kernel; HF ranks bf16
+    scores), one-token decode tiles in fp32; either way within bf16 rounding of the fp32 NumPy-checked
+    reference, and the pooled selection from the stored scores equals the jnp reference's on the same scores.
+    The chunk sits late in the cache, so the kernels run both their unmasked (wholly visible) and their
+    causal-edge loops."""
+    sp = SMALL
+    b, kvh, group, d, s = 1, 2, 4, 16, 1024  # 64-key steps: K1 and K2 both have wholly visible ones
+    _, k1, k2 = _random_caches(7, b, kvh, s, d, sp)
+    rng = np.random.default_rng(8)
+    positions = np.arange(s - t, s, dtype=np.int32)[None]
+    q = rng.standard_normal((b, t, kvh * group, d)).astype(np.float32)
+    kw = dict(scale=d**-0.5, **_score_kw(sp))
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+    tiled, tokens = compressed_scores_tiled(bf(q), bf(k1), bf(k2), jnp.asarray(positions), interpret=True, **kw)
+    assert tiled.dtype == (jnp.float32 if t == 1 else jnp.bfloat16)
+    got = compressed_scores(bf(q), bf(k1), bf(k2), jnp.asarray(positions), interpret=True, **kw)
+    ref = compressed_scores_reference(jnp.asarray(bf(q), jnp.float32), jnp.asarray(bf(k1), jnp.float32),
+                                      jnp.asarray(bf(k2), jnp.float32), jnp.asarray(positions), **kw)
+    visible = compressed_visible(jnp.asarray(positions), ref.shape[-1], kernel=sp.kernel_size,
+                                 stride=sp.kernel_stride)[:, None]
+    err = jnp.max(jnp.abs(jnp.where(visible, got.astype(jnp.float32) - ref, 0.0))) / jnp.max(ref)
+    assert 0 < float(jnp.max(ref)) and float(err) < 2e-2
+    sel = dict(k=sp.num_selected, kernel1=sp.kernel_size, stride1=sp.kernel_stride, ratio=sp.pool_ratio,
+               num_blocks=s // sp.block_size, init_blocks=sp.init_blocks, local_blocks=sp.local_blocks)
+    lengths = jnp.asarray([s], jnp.int32)
+    picked = pool_select_blocks_tiled(tiled, jnp.asarray(positions), lengths, tokens=tokens,
+                                      tile_rows=max(16, tokens), interpret=True, **sel)
+    want = pool_select_blocks_reference(got, jnp.asarray(positions), lengths, **sel)
+    np.testing.assert_array_equal(np.asarray(picked), np.asarray(want))
 
 
 @pytest.mark.parametrize("nb,k", [(128, 96), (130, 96), (64, 64), (300, 7), (16, 16)])
