@@ -52,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     z.add_argument("--num_samples", type=int, default=128, help="calibration sequences at most")
     z.add_argument("--seq_length", type=int, default=512, help="tokens per calibration sequence")
     z.add_argument("--damp_percent", type=float, default=0.01, help="Hessian damping, fraction of mean(diag H)")
+    z.add_argument("--no_asym_calibration", dest="asym_calibration", action="store_false",
+                   help="classic GPTQ: fit each linear to the partly quantized model's own outputs, all linears "
+                        "of a layer on the original layer's inputs (default: GPTAQ's asymmetric calibration, "
+                        "fitting the full-precision model's outputs, linears in order; slower, better)")
     z.add_argument("--checkpoint_format", default="gptq", choices=["gptq", "gptq_v2"],
                    help="zero-point convention of the output (gptq = v1, stored minus one)")
     z.add_argument("--overwrite", action="store_true", help="replace an existing --dst")
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             if not 0 <= args.damp_percent < 1:
                 raise MiniCPMError("--damp_percent must be in [0, 1)")
             settings = GPTQSettings(damp_percent=args.damp_percent, seq_length=args.seq_length,
-                                    num_samples=args.num_samples)
+                                    num_samples=args.num_samples, asym_calibration=args.asym_calibration)
             spec = quantize_checkpoint(args.src, args.dst, method=args.method, group_size=args.group_size,
                                        sym=not args.asym, desc_act=args.desc_act,
                                        calibration_file=args.calibration_file, settings=settings,

@@ -122,32 +122,57 @@ def _hessian_update(h: jax.Array, x: jax.Array, n_old: jax.Array, n_new: jax.Arr
     return h * (n_old / n_new) + (2.0 / n_new) * jnp.matmul(x.T, x, precision=_HIGHEST)
 
 
+@jax.jit
+def _cross_update(c: jax.Array, x: jax.Array, x_ref: jax.Array, n_old: jax.Array, n_new: jax.Array) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return c * (n_old / n_new) + (2.0 / n_new) * jnp.matmul(x.T, x_ref.astype(jnp.float32) - x, precision=_HIGHEST)
+
+
 class HessianAccumulator:
-    """Running ``H = 2/n * sum_t x_t x_t^T`` (float32 [K, K]) over the n input vectors of a linear layer."""
+    """Running ``H = 2/n * sum_t x_t x_t^T`` (float32 [K, K]) over the n input vectors of a linear layer,
+    and, when reference inputs come with them, ``C = 2/n * sum_t x_t (x_ref_t - x_t)^T``: the inputs the
+    unquantized model gives the same linear for the same tokens (GPTAQ's asymmetric calibration)."""
 
     def __init__(self, k: int):
         if not isinstance(k, (int, np.integer)) or k <= 0:
             raise MiniCPMError(f"HessianAccumulator needs a positive in_features, got {k!r}")
         self.k = int(k)
         self._h = jnp.zeros((self.k, self.k), jnp.float32)
+        self._c = None
         self._n = 0
 
-    def add(self, x) -> None:
-        """Adds the activations ``x [..., K]`` (any float dtype; every leading index is one sample)."""
+    def add(self, x, x_ref=None) -> None:
+        """Adds the activations ``x [..., K]`` (any float dtype; every leading index is one sample) and,
+        optionally, the full-precision model's inputs ``x_ref`` for the same samples (same shape). Either
+        every call passes ``x_ref`` or none does."""
         x = jnp.asarray(x)
         if x.ndim == 0 or x.shape[-1] != self.k:
             raise MiniCPMError(f"activations must have shape [..., {self.k}], got {tuple(x.shape)}")
+        if x_ref is not None and tuple(jnp.shape(x_ref)) != tuple(x.shape):
+            raise MiniCPMError(f"reference activations must have the shape of x {tuple(x.shape)}, "
+                               f"got {tuple(jnp.shape(x_ref))}")
+        if self._n and (x_ref is None) != (self._c is None):
+            raise MiniCPMError("HessianAccumulator: pass reference activations with every batch or with none")
         x = x.reshape(-1, self.k)
         if x.shape[0] == 0:
             return
         n_new = self._n + x.shape[0]
-        self._h = _hessian_update(self._h, x, jnp.float32(self._n), jnp.float32(n_new))
+        n_old_f, n_new_f = jnp.float32(self._n), jnp.float32(n_new)
+        if x_ref is not None:
+            c = self._c if self._c is not None else jnp.zeros((self.k, self.k), jnp.float32)
+            self._c = _cross_update(c, x, jnp.asarray(x_ref).reshape(-1, self.k), n_old_f, n_new_f)
+        self._h = _hessian_update(self._h, x, n_old_f, n_new_f)
         self._n = n_new
 
     @property
     def hessian(self) -> np.ndarray:
         """float32 [K, K] (zeros before the first ``add``)."""
         return np.array(self._h, dtype=np.float32)
+
+    @property
+    def cross(self) -> np.ndarray | None:
+        """float32 [K, K] ``C``, or None when no reference activations were added."""
+        return None if self._c is None else np.array(self._c, dtype=np.float32)
 
     @property
     def count(self) -> int:
@@ -244,8 +269,15 @@ def gptq_quantize(
     static_groups: bool = False,
     damp_percent: float = 0.01,
     block_size: int = 128,
+    cross=None,
 ) -> QuantizedWeight:
     """GPTQ 4-bit quantization of ``w float32 [K, N]`` given the input Hessian ``float [K, K]``.
+
+    ``cross`` (``float [K, K]``, :attr:`HessianAccumulator.cross`): asymmetric calibration (GPTAQ, Li et
+    al. 2025). GPTQ fits ``X w_hat`` to ``X w`` on the inputs X the partly quantized model gives this
+    layer; with ``C = 2/n X^T (X_ref - X)`` it fits ``X_ref w``, the full-precision model's output, instead.
+    The least-squares target ``w + H_d^-1 C w`` (``H_d`` the damped Hessian) is then quantized as usual,
+    since ``|X_ref w - X w_hat|^2`` differs from ``|X (w + H^-1 C w) - X w_hat|^2`` by a constant.
 
     Rows (inputs) with ``H[i, i] == 0`` are dead: their weights become 0. With ``desc_act`` rows are
     processed in order of decreasing ``diag(H)``. ``damp_percent * mean(diag(H))`` is added to the
@@ -275,6 +307,18 @@ def gptq_quantize(
     h[dead, dead] = 1.0
     w[dead] = 0.0
     diag = np.diag(h)
+    if cross is not None:
+        c = np.array(cross, dtype=np.float64)
+        if c.shape != (k, k) or not np.all(np.isfinite(c)):
+            raise MiniCPMError(f"GPTQ: cross must be a finite [{k}, {k}] matrix, got shape {c.shape}")
+        c[dead] = 0.0
+        h_damped = h + damp_percent * np.mean(diag) * np.eye(k)
+        try:
+            w = (w + scipy.linalg.solve(h_damped, c @ w, assume_a="pos")).astype(np.float32)
+        except (np.linalg.LinAlgError, ValueError):
+            raise MiniCPMError("GPTQ: the damped Hessian is not positive definite (asymmetric calibration); "
+                               "use a larger damp_percent") from None
+        w[dead] = 0.0
 
     perm = np.argsort(-diag, kind="stable") if desc_act else np.arange(k)
     invperm = np.argsort(perm)

@@ -45,6 +45,9 @@ class GPTQSettings:
     seq_length: int = 512  # tokens per calibration sequence
     num_samples: int = 128  # calibration sequences at most
     block_size: int = 128  # rows per lazy GPTQ batch
+    # GPTAQ's asymmetric calibration: fit each linear to the full-precision model's output for the same
+    # tokens, and quantize a layer's linears in order (each on the inputs its quantized predecessors give).
+    asym_calibration: bool = True
 
 
 class _Recorder(nnx.Module):
@@ -57,6 +60,36 @@ class _Recorder(nnx.Module):
     def __call__(self, x):
         self.acc.add(x)
         return self.linear(x)
+
+
+class _Capture(nnx.Module):
+    """Wraps a linear and keeps its latest input (float32 ``[n, K]``) in ``sink.inputs[key]``."""
+
+    def __init__(self, linear, key, sink):
+        self.linear, self.key, self.sink = linear, key, sink
+
+    def __call__(self, x):
+        self.sink.inputs[self.key] = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+        return self.linear(x)
+
+
+class _Sink:
+    def __init__(self):
+        self.inputs = {}
+
+
+def _layer_inputs(layer, x, run, names) -> dict:
+    """The inputs of the linears ``names`` ((module, name) pairs) when ``run(layer, x)`` runs the layer."""
+    sink = _Sink()
+    for module, name in names:
+        linear = getattr(getattr(layer, module), name)
+        setattr(getattr(layer, module), name, _Capture(linear, (module, name), sink))
+    try:
+        run(layer, x)
+    finally:
+        for module, name in names:
+            setattr(getattr(layer, module), name, getattr(getattr(layer, module), name).linear)
+    return sink.inputs
 
 
 def calibration_tokens(src: str, text_file: str, settings: GPTQSettings) -> np.ndarray:
@@ -92,23 +125,45 @@ def gptq_calibrate(model, tokens: np.ndarray, spec: QuantSpec, settings: GPTQSet
     valid = jnp.ones((s, t), bool)
     lengths = jnp.full((s,), t, jnp.int32)
     x = model.model.embed_tokens(jnp.asarray(tokens)).astype(jnp.float32) * config.scale_emb
+    x_ref = x if settings.asym_calibration else None  # the full-precision model's hidden states
     out = {}
+
+    def run(layer, h):
+        return layer(h, positions, valid, KVCache.create(config, s, t, jnp.float32), lengths)[0]
+
+    def quantize(i, module, name, linear, acc):
+        w = np.asarray(linear.kernel[...], np.float32)
+        qw = gptq_quantize(w, acc.hessian, group_size=spec.group_size, sym=spec.sym, desc_act=spec.act_order,
+                           damp_percent=settings.damp_percent, block_size=settings.block_size, cross=acc.cross)
+        zeros = None if spec.sym else qw.zero.astype(np.float32)
+        out[("model", "layers", i, module, name)] = int4.Int4Weight(qw.q, qw.scale, zeros, qw.g_idx,
+                                                                    spec.rows_per_group(w.shape[0]))
+        linear.kernel.value = jnp.asarray(qw.dequantize(), jnp.float32)  # later inputs see int4 effects
+
     for i, layer in enumerate(tqdm(model.model.layers, desc="GPTQ", unit="layer", disable=not progress)):
-        cache = KVCache.create(config, s, t, jnp.float32)
-        for module, name, linear in _linears(layer):
-            setattr(getattr(layer, module), name, _Recorder(linear, linear.kernel.shape[0]))
-        layer(x, positions, valid, cache, lengths)  # records the inputs of the original layer
-        for module, name, rec in _linears(layer):
-            w = np.asarray(rec.linear.kernel[...], np.float32)
-            qw = gptq_quantize(w, rec.acc.hessian, group_size=spec.group_size, sym=spec.sym,
-                               desc_act=spec.act_order, damp_percent=settings.damp_percent,
-                               block_size=settings.block_size)
-            gs = spec.rows_per_group(w.shape[0])
-            zeros = None if spec.sym else qw.zero.astype(np.float32)
-            out[("model", "layers", i, module, name)] = int4.Int4Weight(qw.q, qw.scale, zeros, qw.g_idx, gs)
-            rec.linear.kernel.value = jnp.asarray(qw.dequantize(), jnp.float32)  # later layers see int4 effects
-            setattr(getattr(layer, module), name, rec.linear)
-        x, _ = layer(x, positions, valid, cache, lengths)
+        if x_ref is None:  # classic GPTQ: every linear of the layer on the inputs of the original layer
+            for module, name, linear in _linears(layer):
+                setattr(getattr(layer, module), name, _Recorder(linear, linear.kernel.shape[0]))
+            run(layer, x)
+            for module, name, rec in _linears(layer):
+                setattr(getattr(layer, module), name, rec.linear)
+                quantize(i, module, name, rec.linear, rec.acc)
+            x = run(layer, x)
+            continue
+        names = [(module, name) for module, name, _ in _linears(layer)]
+        original = {key: linear.kernel[...] for key, (*_, linear) in zip(names, _linears(layer))}
+        ref_inputs = _layer_inputs(layer, x_ref, run, names)
+        for key, (module, name, linear) in zip(names, _linears(layer)):  # qkv, o, gate_up, down in order
+            acc = HessianAccumulator(linear.kernel.shape[0])
+            acc.add(_layer_inputs(layer, x, run, [key])[key], ref_inputs[key])
+            quantize(i, module, name, linear, acc)
+        quantized = {key: linear.kernel[...] for key, (*_, linear) in zip(names, _linears(layer))}
+        x = run(layer, x)
+        for key, (*_, linear) in zip(names, _linears(layer)):
+            linear.kernel.value = original[key]
+        x_ref = run(layer, x_ref)
+        for key, (*_, linear) in zip(names, _linears(layer)):
+            linear.kernel.value = quantized[key]
     return out
 
 
