@@ -150,19 +150,19 @@ def gptq_calibrate(model, tokens: np.ndarray, spec: QuantSpec, settings: GPTQSet
                 quantize(i, module, name, rec.linear, rec.acc)
             x = run(layer, x)
             continue
-        names = [(module, name) for module, name, _ in _linears(layer)]
-        original = {key: linear.kernel[...] for key, (*_, linear) in zip(names, _linears(layer))}
-        ref_inputs = _layer_inputs(layer, x_ref, run, names)
-        for key, (module, name, linear) in zip(names, _linears(layer)):  # qkv, o, gate_up, down in order
+        linears = {(module, name): linear for module, name, linear in _linears(layer)}  # qkv, o, gate_up, down
+        original = {key: linear.kernel[...] for key, linear in linears.items()}
+        ref_inputs = _layer_inputs(layer, x_ref, run, list(linears))
+        for (module, name), linear in linears.items():
             acc = HessianAccumulator(linear.kernel.shape[0])
-            acc.add(_layer_inputs(layer, x, run, [key])[key], ref_inputs[key])
+            acc.add(_layer_inputs(layer, x, run, [(module, name)])[(module, name)], ref_inputs[(module, name)])
             quantize(i, module, name, linear, acc)
-        quantized = {key: linear.kernel[...] for key, (*_, linear) in zip(names, _linears(layer))}
+        quantized = {key: linear.kernel[...] for key, linear in linears.items()}
         x = run(layer, x)
-        for key, (*_, linear) in zip(names, _linears(layer)):
+        for key, linear in linears.items():
             linear.kernel.value = original[key]
         x_ref = run(layer, x_ref)
-        for key, (*_, linear) in zip(names, _linears(layer)):
+        for key, linear in linears.items():
             linear.kernel.value = quantized[key]
     return out
 

@@ -319,3 +319,44 @@ def test_gptq_with_cross_term_quantizes_the_least_squares_target():
     assert err_cross < 0.7 * err_plain, (err_cross, err_plain)  # measured 0.57
     with pytest.raises(MiniCPMError, match="cross must be"):
         gptq_quantize(w, h, cross=c[:8], **opts)
+
+
+def test_gptq_calibrate_modes_on_a_tiny_model(tiny_ckpt):
+    """gptq_calibrate, asymmetric (default) and classic: layer 0's qkv sees the same inputs in both models,
+    so C = 0 and both modes quantize it identically, equal to gptq_quantize on the Hessian of those inputs;
+    later linears differ (the asymmetric mode fits the full-precision outputs)."""
+    import jax.numpy as jnp
+
+    from checkpoints_convert.quantize import GPTQSettings, gptq_calibrate
+    from minicpm_jax.quant import QuantSpec
+    from minicpm_jax.weights import load_model
+
+    path, cfg, _ = tiny_ckpt
+    tokens = np.random.default_rng(13).integers(0, cfg["vocab_size"], (3, 24)).astype(np.int32)
+    spec = QuantSpec(group_size=-1, sym=True, act_order=True)
+    runs = {}
+    for mode in (True, False):
+        model = load_model(path, dtype=jnp.float32, attention_impl="xla", max_length=32, sparse="off")
+        if mode:
+            w_qkv = np.asarray(model.model.layers[0].self_attn.qkv_proj.kernel[...], np.float32)
+            x0 = model.model.embed_tokens(jnp.asarray(tokens)).astype(jnp.float32) * model.config.scale_emb
+            h0 = model.model.layers[0].input_layernorm(x0)
+        runs[mode] = gptq_calibrate(model, tokens, spec, GPTQSettings(asym_calibration=mode), progress=False)
+    qkv = ("model", "layers", 0, "self_attn", "qkv_proj")
+    acc = HessianAccumulator(w_qkv.shape[0])
+    acc.add(h0)
+    want = gptq_quantize(w_qkv, acc.hessian, group_size=-1, sym=True, desc_act=True)
+    for mode in (True, False):
+        np.testing.assert_array_equal(runs[mode][qkv].q, want.q)
+    o_proj = ("model", "layers", 0, "self_attn", "o_proj")
+    assert not np.array_equal(runs[True][o_proj].q, runs[False][o_proj].q)
+    assert set(runs[True]) == set(runs[False]) and len(runs[True]) == 4 * cfg["num_hidden_layers"]
+
+
+def test_gptq_cross_term_needs_a_positive_definite_hessian():
+    w = np.ones((4, 3), np.float32)
+    x = np.ones((1, 4), np.float32)  # rank 1: without damping H is singular
+    acc = HessianAccumulator(4)
+    acc.add(x, 2 * x)
+    with pytest.raises(MiniCPMError, match="not positive definite"):
+        gptq_quantize(w, acc.hessian, group_size=-1, damp_percent=0.0, cross=acc.cross)
