@@ -363,23 +363,43 @@ def select_top_blocks_reference(block_score: jax.Array, limit: jax.Array, *, k: 
 _INT32_MIN = -(2**31)
 
 
-def _pick_mask(score: jax.Array, lim: jax.Array, *, k: int) -> jax.Array:
+# Bits of the threshold each step of the selection's search settles. With 2, a step counts the keys reaching
+# 4 candidates in one block-wide reduction: half the (latency-bound) reductions of 1 bit, for 4x the
+# compares per key. Measured on an H100 (BENCHMARKS.md, 2026-11-24 ninth session): the decode path's few
+# programs wait on the reductions (2 bits: -0.5 to -1 us of its ~13 us kernel at 128K; 4 bits: +20 us), the
+# selection kernels' thousands of prefill rows are bound by the compares (2 bits: 12% slower than 1).
+DECODE_SEARCH_BITS = 2
+SELECT_SEARCH_BITS = 1
+
+
+def _pick_mask(score: jax.Array, lim: jax.Array, *, k: int, bits: int) -> jax.Array:
     """``bool[nbp]``: the k best entries of ``score fp32[nbp]`` (ties by lowest index), none past ``lim``.
-    The k-th largest score comes from a bitwise search (at most 32 steps) over order-preserving int32
-    keys (no sort, no top-k)."""
+    The k-th largest score comes from a radix search of ``bits`` (1, 2, 4 or 8) bits per step (at most
+    ``32 / bits`` steps) over order-preserving int32 keys (no sort, no top-k)."""
+    if 32 % bits:
+        raise ValueError(f"bits={bits} must divide 32")
     nbp = score.shape[0]
-    bits = lax.bitcast_convert_type(score, jnp.int32)
-    key = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # the floats' order; -0.0 just below +0.0 (as lax.top_k)
+    raw = lax.bitcast_convert_type(score, jnp.int32)
+    key = jnp.where(raw < 0, raw ^ 0x7FFFFFFF, raw)  # the floats' order; -0.0 just below +0.0 (as lax.top_k)
+    digit = lax.broadcasted_iota(jnp.int32, (1 << bits, 1), 0)  # candidate digits 0 .. 2**bits - 1
 
     def search(carry):  # t: the threshold's bits so far, in unsigned order (the int32 sign bit flipped)
         i, t, _ = carry
-        cand = t | lax.shift_left(jnp.int32(1), 31 - i)
-        count = jnp.sum((key >= (cand ^ _INT32_MIN)).astype(jnp.int32))
-        return i + 1, jnp.where(count >= k, cand, t), count == k
+        shift = 32 - bits * (i + 1)
+        if bits == 1:
+            cand = t | lax.shift_left(jnp.int32(1), shift)
+            count = jnp.sum((key >= (cand ^ _INT32_MIN)).astype(jnp.int32))
+            return i + 1, jnp.where(count >= k, cand, t), count == k
+        cand = t | lax.shift_left(digit, shift)  # [2**bits, 1]; digit 0 is t itself, which k keys reach
+        count = jnp.sum((key[None, :] >= (cand ^ _INT32_MIN)).astype(jnp.int32), axis=1)  # non-increasing
+        best = jnp.sum((count >= k).astype(jnp.int32)) - 1  # the largest digit that k keys still reach
+        reach = jnp.sum(jnp.where(digit[:, 0] == best, count, 0))
+        return i + 1, t | lax.shift_left(best, shift), reach == k
 
-    # Each step is a block-wide reduction (~0.15 us); the search stops early once exactly k keys reach the
-    # candidate (then those k are the picks, and the threshold below selects them whatever its low bits).
-    _, t, _ = lax.while_loop(lambda c: (c[0] < 32) & ~c[2], search, (jnp.int32(0), jnp.int32(0), False))
+    # Each step is a block-wide reduction (~0.15 us on an H100); the search stops early once exactly k keys
+    # reach the candidate (then those k are the picks, and the threshold below selects them whatever its low
+    # bits).
+    _, t, _ = lax.while_loop(lambda c: (c[0] < 32 // bits) & ~c[2], search, (jnp.int32(0), jnp.int32(0), False))
     kth = t ^ _INT32_MIN  # the k-th largest key, or (early stop) a key that exactly k keys reach
     above = key > kth
     tie = key == kth
@@ -394,7 +414,7 @@ def _pick_row(score: jax.Array, lim: jax.Array, o_ref, *, k: int):
     ``o_ref.shape[0]`` slots are stored."""
     nbp = score.shape[0]
     width = o_ref.shape[0]
-    take = _pick_mask(score, lim, k=k)
+    take = _pick_mask(score, lim, k=k, bits=SELECT_SEARCH_BITS)
     idx = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
     rank = jnp.cumsum(take.astype(jnp.int32))  # inclusive
     total = jnp.sum(take.astype(jnp.int32))
@@ -813,10 +833,9 @@ def _pool_select_attend_kernel(len_ref, pos_ref, s_ref, q_ref, k_ref, v_ref, o_r
     kv_len = len_ref[pl.program_id(0)]
     pos = pos_ref[pl.program_id(0) * tokens + pl.program_id(2)]
     score, lim = _pooled_block_scores(s_ref, pos, kv_len, **pool)
-    take = _pick_mask(score, lim, k=k)
+    take = _pick_mask(score, lim, k=k, bits=DECODE_SEARCH_BITS)
     blk = lax.broadcasted_iota(jnp.int32, score.shape, 0)
     rank = jnp.where(take, jnp.cumsum(take.astype(jnp.int32)), 0)  # 1.. for picks in ascending block order
-    total = jnp.sum(take.astype(jnp.int32))
     q = q_ref[...]
     rows = q.shape[0]
     row_pos = jnp.full((rows,), pos, jnp.int32)
@@ -824,10 +843,11 @@ def _pool_select_attend_kernel(len_ref, pos_ref, s_ref, q_ref, k_ref, v_ref, o_r
     step = functools.partial(_attend_block, q, k_ref, v_ref, qk_scale=qk_scale, block_k=block_size, pos=row_pos)
 
     def block(r):  # the pick of rank r (0-based): where its slice starts, its first key, its key limit
-        block_start = jnp.sum(jnp.where(rank == r + 1, blk, 0)) * block_size
+        found = jnp.sum(jnp.where(rank == r + 1, blk + 1, 0))  # 0: a rank past the picks
+        block_start = jnp.maximum(found - 1, 0) * block_size
         # The slice is clamped into the buffer; keys before the block's start are masked out by `lo`; a
         # rank past the picks gets an empty range (nothing read, nothing attended).
-        limit = jnp.where(r < total, jnp.minimum(kv_len, block_start + block_size), block_start)
+        limit = jnp.where(found > 0, jnp.minimum(kv_len, block_start + block_size), block_start)
         return jnp.minimum(block_start, seq_len - block_size), block_start, limit
 
     carry = _empty_carry(rows, q.shape[1])
@@ -841,6 +861,7 @@ def _pool_select_attend_kernel(len_ref, pos_ref, s_ref, q_ref, k_ref, v_ref, o_r
             start, lo, limit = block(r)
             return step(start, c, kv_len=limit, lo=lo)
 
+        total = jnp.sum(take.astype(jnp.int32))
         carry = lax.fori_loop(first, jnp.minimum(first + per_split, total), body, carry)
     _store_split(o_ref, lse_ref, carry)
 

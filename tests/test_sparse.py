@@ -30,6 +30,7 @@ from minicpm_jax.sparse import (
     splits_local_window,
     tree_sparse_attention,
 )
+from pallas_kernels import sparse_attention as sparse_attention_kernels
 from pallas_kernels.backend import KernelConfig
 from pallas_kernels.sparse_attention import (
     block_sparse_attention,
@@ -293,10 +294,13 @@ def test_bf16_stage1_scores_are_stored_in_bf16_for_prefill_tiles(t):
     np.testing.assert_array_equal(np.asarray(picked), np.asarray(want))
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("nb,k", [(128, 96), (130, 96), (64, 64), (300, 7), (16, 16)])
-def test_select_top_blocks_kernel_matches_numpy_and_reference(nb, k):
+def test_select_top_blocks_kernel_matches_numpy_and_reference(nb, k, bits, monkeypatch):
     """Heavy ties, ±inf rows and entries, -0.0 vs +0.0, limits below / inside / past the row, a block
-    count that is not a power of two (padded in the kernel) and k equal to the padded output width."""
+    count that is not a power of two (padded in the kernel) and k equal to the padded output width; for
+    every width of the radix search's steps."""
+    monkeypatch.setattr(sparse_attention_kernels, "SELECT_SEARCH_BITS", bits)
     rng = np.random.default_rng(nb + k)
     x = rng.integers(-4, 4, (3, 4, nb)).astype(np.float32)  # [B, KVH, NB]-shaped leading dims
     x[0, 0] = -np.inf
@@ -318,6 +322,37 @@ def test_select_top_blocks_kernel_matches_numpy_and_reference(nb, k):
             assert got[i, j].tolist() == np_pick(x[i, j], int(limit[i, j]), k), (i, j)
     with pytest.raises(ValueError, match="k=0"):
         select_top_blocks(jnp.asarray(x), jnp.asarray(limit), k=0, interpret=True)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_select_top_blocks_search_edge_cases(bits, monkeypatch):
+    """The radix search on rows that end it in each way: +inf entries alone reach k, fewer than k entries
+    are finite or +inf (the k-th is -inf), one finite value only (fewer than k, and enough), scores of one
+    magnitude with +inf forced entries, a tie straddling the k-th place, neighbours one ulp apart (the
+    search runs to the last bit)."""
+    monkeypatch.setattr(sparse_attention_kernels, "SELECT_SEARCH_BITS", bits)
+    nb, k = 256, 40
+    rng = np.random.default_rng(7)
+    base = (1e-3 * (1 + rng.random(nb))).astype(np.float32)  # one exponent range: 9+ shared leading bits
+    rows = np.stack([base] * 8)
+    rows[0, :50] = np.inf  # +inf alone reaches k
+    rows[1, 30:] = -np.inf  # 30 finite < k: the k-th largest is -inf
+    rows[2, 3:] = -np.inf
+    rows[2, :3] = np.float32(0.5)  # one finite value, fewer than k
+    rows[3, :] = np.float32(0.25)
+    rows[3, 10:20] = np.inf  # one finite value, enough
+    rows[4, ::9] = np.inf  # forced entries and one magnitude
+    rows[5, 100:140] = rows[5, 100]  # a tie straddling the k-th place
+    rows[5, :20] = np.inf
+    rows[6] = np.nextafter(rows[6], np.float32(1.0), dtype=np.float32)  # neighbours one ulp apart
+    rows[6, 1::2] = np.nextafter(rows[6, 1::2], np.float32(1.0), dtype=np.float32)
+    rows[7, 200:] = -np.inf
+    rows[7, :5] = np.inf
+    limit = np.array([nb - 1, nb - 1, nb - 1, 15, nb - 1, 120, nb - 1, nb - 1], np.int32)
+    got = np.asarray(select_top_blocks(jnp.asarray(rows), jnp.asarray(limit), k=k, interpret=True))
+    for i in range(len(rows)):
+        assert got[i].tolist() == np_pick(rows[i], int(limit[i]), k), i
+    np.testing.assert_array_equal(got, np.asarray(select_top_blocks_reference(jnp.asarray(rows), jnp.asarray(limit), k=k)))
 
 
 def test_stage1_extra_coarse_key_joins_the_lse():
