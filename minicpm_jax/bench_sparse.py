@@ -9,7 +9,7 @@ attention, one layer at the shape's attention dims (bf16, batch 1), random q/k/v
   split the cost.
 * decode — one query token against an ``L``-token cache: the decode path (the two stage-1 passes, then
   selection + block-sparse attention in one kernel, then the split merge) against the flash-decoding
-  kernel; also timed: the general path that prefill chunks take (``fused_decode=False``) and its parts:
+  kernel, by the loop's wall time and by the kernels' own time (a profile of the loop); also timed: the general path that prefill chunks take (``fused_decode=False``) and its parts:
   stage 1, + the block selection (pooled in the selection kernel, or in XLA), the block-sparse kernel.
   Calls cycle through several layers' caches so the bytes come from HBM, not L2. (The compressed-cache
   extension of a decode step is an in-place write of one entry; it is timed in the e2e rows with
@@ -31,7 +31,7 @@ from minicpm_jax.config import ModelConfig, SparseConfig
 from minicpm_jax.sparse import block_selection, extend_compressed, sparse_attention
 from pallas_kernels.attention import decode_attention, prefill_attention
 from pallas_kernels.sparse_attention import block_sparse_attention, compressed_scores
-from pallas_kernels.timing import device_loop_time
+from pallas_kernels.timing import device_kernel_time, device_loop_time
 
 L2_BYTES = 50 * 1024**2
 
@@ -162,9 +162,13 @@ def bench_sparse_decode(config: ModelConfig, sparse: SparseConfig, length: int, 
                                    iters=iters, repeats=repeats),
     }
     per_layer = {n: [t / layers for t in ts] for n, ts in seconds.items()}
-    print(f"    {per_layer}", file=sys.stderr, flush=True)
+    # The kernels' own time too: the loop's wall time adds gaps between short kernels that vary by machine.
+    kernels = {n: device_kernel_time(f, (q, cache, pos), iters=10) for n, f in (("dense", dense), ("sparse", full))}
+    kernel_per_layer = {n: None if t is None else t / layers for n, t in kernels.items()}
+    print(f"    {per_layer}\n    kernels {kernel_per_layer}", file=sys.stderr, flush=True)
     selected = int(jnp.sum(blocks[0] >= 0)) // config.num_kv_heads
-    return {"context": length, "layers": layers, "selected_blocks": selected, "seconds": per_layer}
+    return {"context": length, "layers": layers, "selected_blocks": selected, "seconds": per_layer,
+            "kernel_seconds": kernel_per_layer}
 
 
 def bench_sparse(config: ModelConfig, sparse: SparseConfig, prefill_contexts: list[int], decode_contexts: list[int],
@@ -208,13 +212,17 @@ def sparse_markdown(r: dict) -> str:
                      f"{med(s['dense']) / med(s['sparse']):.2f}x | {_ms(s['scores'])} | "
                      f"{1e3 * (med(s['select']) - med(s['scores'])):.3f}{xla} | {stage2} |")
     lines += ["", "| decode context | blocks attended | dense flash-decoding µs | sparse µs (decode path) | speed-up | "
-                  "general path µs | its stage 1 µs | its stage 1 + selection µs (pooled in the kernel / in XLA) | "
-                  "its block-sparse kernel µs |", "|---|---|---|---|---|---|---|---|---|"]
+                  "kernel time µs, dense / sparse (speed-up) | general path µs | its stage 1 µs | its stage 1 + "
+                  "selection µs (pooled in the kernel / in XLA) | its block-sparse kernel µs |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for p in r["decode"]:
         s = p["seconds"]
         xla = f" / {_us(s['select_xla_pool'])}" if "select_xla_pool" in s else ""
         general = _us(s["sparse_unfused"]) if "sparse_unfused" in s else "—"
+        ks = p.get("kernel_seconds") or {}
+        kernel = (f"{1e6 * ks['dense']:.1f} / {1e6 * ks['sparse']:.1f} ({ks['dense'] / ks['sparse']:.2f}x)"
+                  if ks.get("dense") and ks.get("sparse") else "—")
         lines.append(f"| {p['context']} | {p['selected_blocks']} | {_us(s['dense'])} | {_us(s['sparse'])} | "
-                     f"{med(s['dense']) / med(s['sparse']):.2f}x | {general} | {_us(s['scores'])} | "
+                     f"{med(s['dense']) / med(s['sparse']):.2f}x | {kernel} | {general} | {_us(s['scores'])} | "
                      f"{_us(s['select'])}{xla} | {_us(s['stage2'])} |")
     return "\n".join(lines)

@@ -365,9 +365,9 @@ _INT32_MIN = -(2**31)
 
 # Bits of the threshold each step of the selection's search settles. With 2, a step counts the keys reaching
 # 4 candidates in one block-wide reduction: half the (latency-bound) reductions of 1 bit, for 4x the
-# compares per key. Measured on an H100 (BENCHMARKS.md, 2026-11-24 ninth session): the decode path's few
-# programs wait on the reductions (2 bits: -0.5 to -1 us of its ~13 us kernel at 128K; 4 bits: +20 us), the
-# selection kernels' thousands of prefill rows are bound by the compares (2 bits: 12% slower than 1).
+# compares per key. Measured on an H100 (BENCHMARKS.md, 2026-11-24 ninth session): the decode path's 128
+# programs wait on the reductions (its kernel at 128K: 14.9 us with 1 bit, 13.8 with 2, ~30 with 4); the
+# prefill selection kernel's thousands of rows are bound by the compares (a 2-bit variant: 12% slower).
 DECODE_SEARCH_BITS = 2
 SELECT_SEARCH_BITS = 1
 

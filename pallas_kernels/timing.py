@@ -1,7 +1,18 @@
-"""Timing of µs-scale device work: many calls inside one jit, so dispatch (~40 µs a call) is not timed."""
+"""Timing of µs-scale device work: many calls inside one jit, so dispatch (~40 µs a call) is not timed.
+
+Two clocks: :func:`device_loop_time` (wall time of the jitted loop: kernels and the gaps between them) and
+:func:`device_kernel_time` (the GPU kernels' own durations, from a ``jax.profiler`` trace of the same loop).
+The second exists because a ``lax.fori_loop`` recorded as a CUDA graph runs short Pallas kernels with gaps
+that the engine's decode loop does not show (BENCHMARKS.md, 2026-11-23 H200 section), so for chains of
+µs-scale kernels the two can differ by machine.
+"""
 
 from __future__ import annotations
 
+import glob
+import os
+import re
+import tempfile
 import time
 
 import jax
@@ -44,3 +55,38 @@ def device_loop(fn, args: tuple, *, iters: int, chain: int = -1):
         return lax.fori_loop(0, iters, body, jnp.zeros((), a[chain].dtype))
 
     return jax.jit(loop)
+
+
+def device_kernel_time(fn, args: tuple, *, iters: int, chain: int = -1) -> float | None:
+    """Seconds of GPU kernel time per ``fn(*args)``: every kernel that :func:`device_loop`'s jitted loop of
+    ``iters`` calls runs (the loop's own small fusions included), summed from a ``jax.profiler`` trace
+    and divided by ``iters``. None where the trace has no GPU kernels (the CPU)."""
+    run = device_loop(fn, args, iters=iters, chain=chain)
+    jax.block_until_ready(run(*args))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            jax.block_until_ready(run(*args))
+        finally:
+            jax.profiler.stop_trace()
+        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            return None
+        per_kernel = kernel_seconds(jax.profiler.ProfileData.from_file(files[0]).planes)
+    return sum(per_kernel.values()) / iters if per_kernel else None
+
+
+def kernel_seconds(planes) -> dict[str, float]:
+    """Seconds by kernel name of the events on the GPU planes' stream lines of a profile (``ProfileData
+    .planes``); the ``__N`` suffix XLA gives each launch site of one kernel is dropped."""
+    out: dict[str, float] = {}
+    for plane in planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "Stream" not in line.name:
+                continue
+            for event in line.events:
+                name = re.sub(r"__\d+$", "", event.name)
+                out[name] = out.get(name, 0.0) + event.duration_ns * 1e-9
+    return out

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 import subprocess
 import sys
 
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.timing import device_loop, device_loop_time
+from pallas_kernels.timing import device_kernel_time, device_loop, device_loop_time, kernel_seconds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,6 +31,24 @@ def test_device_loop_keeps_every_output_and_chains_calls():
     assert hlo.count("sine(") >= 3
     times = device_loop_time(fn, args, iters=4, repeats=3)
     assert len(times) == 3 and all(t > 0 for t in times)
+
+
+def test_kernel_seconds_sums_gpu_stream_events_by_kernel():
+    """Only events on a GPU plane's stream lines count; per-launch-site copies (``__N``) share a name;
+    the CPU's trace has none, so the kernel clock reports None there."""
+    ev = lambda name, ns: SimpleNamespace(name=name, duration_ns=ns)  # noqa: E731
+    line = lambda name, *events: SimpleNamespace(name=name, events=list(events))  # noqa: E731
+    planes = [
+        SimpleNamespace(name="/device:GPU:0", lines=[
+            line("Stream #13(Compute)", ev("decode_attention", 5000), ev("decode_attention__3", 7000),
+                 ev("input_reduce_fusion_2", 1000)),
+            line("XLA Ops", ev("decode_attention", 99999)),  # the op view of the same kernels: not counted
+        ]),
+        SimpleNamespace(name="/host:CPU", lines=[line("Stream #1", ev("decode_attention", 99999))]),
+    ]
+    assert kernel_seconds(planes) == pytest.approx({"decode_attention": 12e-6, "input_reduce_fusion_2": 1e-6})
+    args = (jnp.linspace(0, 1, 64), jnp.zeros((), jnp.int32))
+    assert device_kernel_time(lambda x, n: jnp.sin(x + n), args, iters=2) is None
 
 
 def test_bench_smoke_on_cpu(tmp_path):
@@ -86,6 +105,7 @@ def test_bench_sparse_smoke_on_cpu(tmp_path):
     assert set(result["decode"][0]["seconds"]) == {"dense", "sparse", "sparse_unfused", "scores", "select",
                                                        "select_xla_pool", "stage2"}
     assert all(t[0] > 0 for t in result["decode"][0]["seconds"].values())
+    assert result["decode"][0]["kernel_seconds"] == {"dense": None, "sparse": None}  # no GPU kernels on the CPU
     assert "| 256 | 128 |" in r.stdout and "| decode context | blocks attended |" in r.stdout
     assert "(pooled in the kernel / in XLA)" in r.stdout  # the pooling selection kernel beside XLA pooling
     bad = _bench("--sparse_modes", "maybe", timeout=300)
