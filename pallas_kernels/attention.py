@@ -292,11 +292,15 @@ def split_outputs(b: int, kv_heads: int, splits: int, rows_pad: int, block_m: in
 
 
 def decode_splits(batch: int, kv_heads: int, row_blocks: int, max_length: int, block_k: int) -> int:
-    """How many programs share one sequence's keys: enough to give every SM two programs, but no split
-    shorter than ``max(_MIN_SPLIT_KEYS, block_k)`` keys of the buffer."""
+    """How many programs share one sequence's keys: about enough to give every SM two programs, but no
+    split shorter than ``max(_MIN_SPLIT_KEYS, block_k)`` keys of the buffer; a power of 2."""
     by_length = pl.cdiv(max_length, max(_MIN_SPLIT_KEYS, block_k))
     by_occupancy = pl.cdiv(2 * num_cores(), batch * kv_heads * row_blocks)
-    return max(1, min(by_length, by_occupancy))
+    n = max(1, min(by_length, by_occupancy))
+    # The power of 2 nearest to n (not above by_length), so the splits merge in one Pallas launch
+    # (merge_splits_rows) instead of XLA's passes: 128 rather than 132 programs per KV head on an H100.
+    p = next_power_of_2(n)
+    return p // 2 if p > by_length or p - n > n - p // 2 else p
 
 
 def decode_attention(
@@ -310,7 +314,11 @@ def decode_attention(
     """
     o, lse = decode_attention_splits(q, k, v, q_positions, kv_lengths, scale=scale, layer=layer, config=config,
                                      num_splits=num_splits, interpret=interpret)
-    return ungroup_rows(merge_splits(o, lse), q.shape[1], q.shape[2]).astype(q.dtype)
+    if is_power_of_2(o.shape[2]):  # one launch (the default split counts are powers of 2)
+        merged = merge_splits_rows(o, lse, out_dtype=q.dtype, interpret=interpret)
+    else:
+        merged = merge_splits(o, lse)
+    return ungroup_rows(merged, q.shape[1], q.shape[2]).astype(q.dtype)
 
 
 def decode_attention_splits(
