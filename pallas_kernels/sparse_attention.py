@@ -621,14 +621,16 @@ def _group_tiles(q: jax.Array, kv_heads: int, rows: int) -> jax.Array:
     return qg.reshape(b, t, kv_heads * rows, d)
 
 
-def _split_grid_io(b: int, kvh: int, t: int, splits: int, rows: int, s: int, d: int, layer: int):
+def _split_grid_io(b: int, kvh: int, t: int, splits: int, rows: int, s: int, d: int, layer: int,
+                   o_dtype=jnp.float32):
     """Specs of the stage-2 kernels on grid (batch, KV head, token, split): the K and V inputs (one layer
-    of the stacked cache, read in place), and the per-split outputs o fp32 ``[B, KVH, T, splits, rows, D]``
-    and lse fp32 ``[B, KVH, T, splits, rows]`` (log2 units). Returns (kv_specs, out_specs, out_shape)."""
+    of the stacked cache, read in place), and the per-split outputs o ``[B, KVH, T, splits, rows, D]`` (in
+    ``o_dtype``, normalised within its split) and lse fp32 ``[B, KVH, T, splits, rows]`` (log2 units).
+    Returns (kv_specs, out_specs, out_shape)."""
     kv = pl.BlockSpec((None, None, None, s, d), lambda i, j, n, sp: (layer, i, j, 0, 0))
     out_specs = [pl.BlockSpec((None, None, None, None, rows, d), lambda i, j, n, sp: (i, j, n, sp, 0, 0)),
                  pl.BlockSpec((None, None, None, None, rows), lambda i, j, n, sp: (i, j, n, sp, 0))]
-    out_shape = [jax.ShapeDtypeStruct((b, kvh, t, splits, rows, d), jnp.float32),
+    out_shape = [jax.ShapeDtypeStruct((b, kvh, t, splits, rows, d), o_dtype),
                  jax.ShapeDtypeStruct((b, kvh, t, splits, rows), jnp.float32)]
     return [kv, kv], out_specs, out_shape
 
@@ -913,7 +915,10 @@ def pool_select_attention_tiled(
     kernel = functools.partial(_pool_select_attend_kernel, qk_scale=scale * _LOG2E, k=k_sel, block_size=block_size,
                                seq_len=s, per_split=per_split, tokens=t, pool=pool)
     tiled = scores.reshape(b, kvh, -1, tile_rows, n1)
-    kv_specs, out_specs, out_shape = _split_grid_io(b, kvh, t, splits, rows, s, d, layer)
+    # bf16 per-split outputs for bf16 queries, as flash-decoding's: the merged output is rounded to bf16
+    # anyway, and the merge reads half the bytes.
+    split_dtype = jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32
+    kv_specs, out_specs, out_shape = _split_grid_io(b, kvh, t, splits, rows, s, d, layer, o_dtype=split_dtype)
     o, lse = pl.pallas_call(
         kernel,
         grid=(b, kvh, t, splits),
