@@ -9,8 +9,9 @@ attention, one layer at the shape's attention dims (bf16, batch 1), random q/k/v
   split the cost.
 * decode — one query token against an ``L``-token cache: the decode path (the two stage-1 passes, then
   selection + block-sparse attention in one kernel, then the split merge) against the flash-decoding
-  kernel, by the loop's wall time and by the kernels' own time (a profile of the loop); also timed: the general path that prefill chunks take (``fused_decode=False``) and its parts:
-  stage 1, + the block selection (pooled in the selection kernel, or in XLA), the block-sparse kernel.
+  kernel, by the loop's wall time and by the kernels' own time (a profile of the loop); also timed: the
+  general path that prefill chunks take (``fused_decode=False``) and its parts: stage 1, + the block
+  selection (pooled in the selection kernel, or in XLA), the block-sparse kernel.
   Calls cycle through several layers' caches so the bytes come from HBM, not L2. (The compressed-cache
   extension of a decode step is an in-place write of one entry; it is timed in the e2e rows with
   ``--sparse_modes``.)
