@@ -63,24 +63,19 @@ class _Recorder(nnx.Module):
 
 
 class _Capture(nnx.Module):
-    """Wraps a linear and keeps its latest input (float32 ``[n, K]``) in ``sink.inputs[key]``."""
+    """Wraps a linear and keeps its latest input (float32 ``[n, K]``) in ``sink[key]``."""
 
-    def __init__(self, linear, key, sink):
+    def __init__(self, linear, key, sink: dict):
         self.linear, self.key, self.sink = linear, key, sink
 
     def __call__(self, x):
-        self.sink.inputs[self.key] = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+        self.sink[self.key] = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
         return self.linear(x)
-
-
-class _Sink:
-    def __init__(self):
-        self.inputs = {}
 
 
 def _layer_inputs(layer, x, run, names) -> dict:
     """The inputs of the linears ``names`` ((module, name) pairs) when ``run(layer, x)`` runs the layer."""
-    sink = _Sink()
+    sink = {}
     for module, name in names:
         linear = getattr(getattr(layer, module), name)
         setattr(getattr(layer, module), name, _Capture(linear, (module, name), sink))
@@ -89,7 +84,7 @@ def _layer_inputs(layer, x, run, names) -> dict:
     finally:
         for module, name in names:
             setattr(getattr(layer, module), name, getattr(getattr(layer, module), name).linear)
-    return sink.inputs
+    return sink
 
 
 def calibration_tokens(src: str, text_file: str, settings: GPTQSettings) -> np.ndarray:

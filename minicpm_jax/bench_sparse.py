@@ -32,7 +32,7 @@ from minicpm_jax.config import ModelConfig, SparseConfig
 from minicpm_jax.sparse import block_selection, extend_compressed, sparse_attention
 from pallas_kernels.attention import decode_attention, prefill_attention
 from pallas_kernels.sparse_attention import block_sparse_attention, compressed_scores
-from pallas_kernels.timing import device_kernel_time, device_loop_time
+from pallas_kernels.timing import device_loop, device_loop_time, loop_kernel_time, loop_time
 
 L2_BYTES = 50 * 1024**2
 
@@ -149,9 +149,11 @@ def bench_sparse_decode(config: ModelConfig, sparse: SparseConfig, length: int, 
     blocks = jax.jit(select)(q, cache, pos)
     iters = 50
     print(f"  sparse decode attention L={length} ({layers} layers x {iters} calls)", file=sys.stderr, flush=True)
+    # Dense and the decode path are timed by the loop's wall time and by its kernels' own time (a profile of
+    # the same compiled loop): the wall time adds gaps between short kernels that vary by machine.
+    loops = {n: device_loop(f, (q, cache, pos), iters=iters) for n, f in (("dense", dense), ("sparse", full))}
     seconds = {
-        "dense": device_loop_time(dense, (q, cache, pos), iters=iters, repeats=repeats),
-        "sparse": device_loop_time(full, (q, cache, pos), iters=iters, repeats=repeats),
+        **{n: loop_time(run, (q, cache, pos), iters=iters, repeats=repeats) for n, run in loops.items()},
         "sparse_unfused": device_loop_time(lambda *a: full(*a, fused=False), (q, cache, pos), iters=iters,
                                            repeats=repeats),
         "scores": device_loop_time(lambda *a: select(*a, scores_only=True), (q, cache, pos), iters=iters,
@@ -163,8 +165,7 @@ def bench_sparse_decode(config: ModelConfig, sparse: SparseConfig, length: int, 
                                    iters=iters, repeats=repeats),
     }
     per_layer = {n: [t / layers for t in ts] for n, ts in seconds.items()}
-    # The kernels' own time too: the loop's wall time adds gaps between short kernels that vary by machine.
-    kernels = {n: device_kernel_time(f, (q, cache, pos), iters=10) for n, f in (("dense", dense), ("sparse", full))}
+    kernels = {n: loop_kernel_time(run, (q, cache, pos), iters=iters) for n, run in loops.items()}
     kernel_per_layer = {n: None if t is None else t / layers for n, t in kernels.items()}
     print(f"    {per_layer}\n    kernels {kernel_per_layer}", file=sys.stderr, flush=True)
     selected = int(jnp.sum(blocks[0] >= 0)) // config.num_kv_heads

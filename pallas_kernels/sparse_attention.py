@@ -381,7 +381,6 @@ def _pick_mask(score: jax.Array, lim: jax.Array, *, k: int, bits: int) -> jax.Ar
     nbp = score.shape[0]
     raw = lax.bitcast_convert_type(score, jnp.int32)
     key = jnp.where(raw < 0, raw ^ 0x7FFFFFFF, raw)  # the floats' order; -0.0 just below +0.0 (as lax.top_k)
-    digit = lax.broadcasted_iota(jnp.int32, (1 << bits, 1), 0)  # candidate digits 0 .. 2**bits - 1
 
     def search(carry):  # t: the threshold's bits so far, in unsigned order (the int32 sign bit flipped)
         i, t, _ = carry
@@ -390,6 +389,7 @@ def _pick_mask(score: jax.Array, lim: jax.Array, *, k: int, bits: int) -> jax.Ar
             cand = t | lax.shift_left(jnp.int32(1), shift)
             count = jnp.sum((key >= (cand ^ _INT32_MIN)).astype(jnp.int32))
             return i + 1, jnp.where(count >= k, cand, t), count == k
+        digit = lax.broadcasted_iota(jnp.int32, (1 << bits, 1), 0)  # candidate digits 0 .. 2**bits - 1
         cand = t | lax.shift_left(digit, shift)  # [2**bits, 1]; digit 0 is t itself, which k keys reach
         count = jnp.sum((key[None, :] >= (cand ^ _INT32_MIN)).astype(jnp.int32), axis=1)  # non-increasing
         best = jnp.sum((count >= k).astype(jnp.int32)) - 1  # the largest digit that k keys still reach

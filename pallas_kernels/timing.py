@@ -1,7 +1,7 @@
 """Timing of µs-scale device work: many calls inside one jit, so dispatch (~40 µs a call) is not timed.
 
 Two clocks: :func:`device_loop_time` (wall time of the jitted loop: kernels and the gaps between them) and
-:func:`device_kernel_time` (the GPU kernels' own durations, from a ``jax.profiler`` trace of the same loop).
+:func:`loop_kernel_time` (the GPU kernels' own durations, from a ``jax.profiler`` trace of the same loop).
 The second exists because a ``lax.fori_loop`` recorded as a CUDA graph runs short Pallas kernels with gaps
 that the engine's decode loop does not show (BENCHMARKS.md, 2026-11-23 H200 section), so for chains of
 µs-scale kernels the two can differ by machine.
@@ -29,7 +29,11 @@ def device_loop_time(fn, args: tuple, *, iters: int, repeats: int = 2, chain: in
     is 0 unless the previous output holds a NaN), so XLA can neither hoist the call out of the loop nor
     run the iterations concurrently.
     """
-    run = device_loop(fn, args, iters=iters, chain=chain)
+    return loop_time(device_loop(fn, args, iters=iters, chain=chain), args, iters=iters, repeats=repeats)
+
+
+def loop_time(run, args: tuple, *, iters: int, repeats: int = 2) -> list[float]:
+    """:func:`device_loop_time` of an already built :func:`device_loop` ``run`` of ``iters`` calls."""
     jax.block_until_ready(run(*args))
     times = []
     for _ in range(repeats):
@@ -57,11 +61,10 @@ def device_loop(fn, args: tuple, *, iters: int, chain: int = -1):
     return jax.jit(loop)
 
 
-def device_kernel_time(fn, args: tuple, *, iters: int, chain: int = -1) -> float | None:
-    """Seconds of GPU kernel time per ``fn(*args)``: every kernel that :func:`device_loop`'s jitted loop of
-    ``iters`` calls runs (the loop's own small fusions included), summed from a ``jax.profiler`` trace
-    and divided by ``iters``. None where the trace has no GPU kernels (the CPU)."""
-    run = device_loop(fn, args, iters=iters, chain=chain)
+def loop_kernel_time(run, args: tuple, *, iters: int) -> float | None:
+    """Seconds of GPU kernel time per call of a :func:`device_loop` ``run`` of ``iters`` calls: every
+    kernel the loop runs (its own small fusions included), summed from a ``jax.profiler`` trace of one
+    run and divided by ``iters``. None where the trace has no GPU kernels (the CPU)."""
     jax.block_until_ready(run(*args))
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
