@@ -576,6 +576,12 @@ def test_pool_select_attention_kernel_matches_reference(splits, k_blocks):
     got = pool_select_attention(*args, num_splits=splits, interpret=True, **kw)
     assert got.shape == q.shape and got.dtype == q.dtype
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
+    if splits is None:  # bf16 inputs: the splits are stored in bf16, merged in fp32, rounded once
+        q16, k16, v16 = (a.astype(jnp.bfloat16) for a in (q, k, v))
+        got16 = pool_select_attention(q16, k16, v16, *args[3:], interpret=True, **kw)
+        want16 = pool_select_attention_reference(*(a.astype(jnp.float32) for a in (q16, k16, v16)), *args[3:], **kw)
+        assert got16.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got16, np.float32), np.asarray(want16), atol=2e-2)
     # the reference is the composition it names: picks of pool_select_blocks_reference, attended
     picks = pool_select_blocks_reference(scores, jnp.asarray(positions), jnp.asarray(lengths), k=min(k_blocks, 13),
                                          kernel1=kernel1, stride1=stride1, ratio=bs // stride1, num_blocks=13,
