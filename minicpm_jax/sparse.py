@@ -43,6 +43,7 @@ from pallas_kernels.sparse_attention import (
     compressed_scores,
     compressed_scores_reference,
     compressed_scores_tiled,
+    score_tile_rows,
     force_blocks,
     local_window_attention,
     merge_attention,
@@ -174,7 +175,7 @@ def block_selection(
         block_score = force_blocks(block_score, limit, (sparse.init_blocks, sparse.local_blocks))
         return select_top_blocks(block_score, limit, k=min(sparse.num_selected, num_blocks))
     scores, tokens = compressed_scores_tiled(q_select, cache.k1, cache.k2, score_pos, **kw)
-    return pool_select_blocks_tiled(scores, q_positions, kv_lengths, tokens=tokens, tile_rows=max(16, tokens),
+    return pool_select_blocks_tiled(scores, q_positions, kv_lengths, tokens=tokens, tile_rows=score_tile_rows(tokens),
                                     **_select_kw(sparse, num_blocks))
 
 
@@ -234,7 +235,7 @@ def fused_decode_attention(
         return pool_select_attention_reference(q, cache.k, cache.v, scores, q_positions, kv_lengths, **sel)
     scores, tokens = compressed_scores_tiled(q_select, cache.k1, cache.k2, q_positions, **kw)
     return pool_select_attention_tiled(q, cache.k, cache.v, scores, q_positions, kv_lengths, tokens=tokens,
-                                       tile_rows=max(16, tokens), **sel)
+                                       tile_rows=score_tile_rows(tokens), **sel)
 
 
 # Query tokens above which a Pallas prefill chunk attends its local windows with the window kernel.

@@ -38,6 +38,7 @@ from pallas_kernels.sparse_attention import (
     compressed_scores,
     compressed_scores_reference,
     compressed_scores_tiled,
+    score_tile_rows,
     compressed_visible,
     local_window_attention,
     local_window_attention_reference,
@@ -251,23 +252,23 @@ def test_pool_select_reads_the_stage1_kernel_tiles_in_place(t):
     args = (q, jnp.asarray(k1), jnp.asarray(k2), jnp.asarray(positions))
     tiled, tokens = compressed_scores_tiled(*args, interpret=True, **kw)
     assert tokens == min(SCORES_CONFIG.block_q, 1 << (t - 1).bit_length())
-    assert tiled.shape[2] == -(-t // tokens) * max(16, tokens)
+    assert tiled.shape[2] == -(-t // tokens) * score_tile_rows(tokens)
     plain = compressed_scores(*args, interpret=True, **kw)
     sel = dict(k=sp.num_selected, kernel1=sp.kernel_size, stride1=sp.kernel_stride, ratio=sp.pool_ratio,
                num_blocks=s // sp.block_size, init_blocks=sp.init_blocks, local_blocks=sp.local_blocks)
     got = pool_select_blocks_tiled(tiled, jnp.asarray(positions), jnp.asarray(lengths), tokens=tokens,
-                                   tile_rows=max(16, tokens), interpret=True, **sel)
+                                   tile_rows=score_tile_rows(tokens), interpret=True, **sel)
     want = pool_select_blocks_reference(plain, jnp.asarray(positions), jnp.asarray(lengths), **sel)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("t", [1, 40])
-def test_bf16_stage1_scores_are_stored_in_bf16_for_prefill_tiles(t):
-    """bf16 queries: prefill tiles store the stage-1 scores in bf16 (as InfLLM-v2's kernel; HF ranks bf16
-    scores), one-token decode tiles in fp32; either way within bf16 rounding of the fp32 NumPy-checked
-    reference, and the pooled selection from the stored scores equals the jnp reference's on the same scores.
-    The chunk sits late in the cache, so the kernels run both their unmasked (wholly visible) and their
-    causal-edge loops."""
+def test_bf16_stage1_scores_are_stored_in_bf16(t):
+    """bf16 queries: prefill tiles and one-token decode tiles (one row, the heads summed across the tile)
+    store the stage-1 scores in bf16 (as InfLLM-v2's kernel; HF ranks bf16 scores), within bf16 rounding of
+    the fp32 NumPy-checked reference, and the pooled selection from the stored scores (its search over 16-bit
+    keys) equals the jnp reference's on the same scores. The chunk sits late in the cache, so the kernels
+    run both their unmasked (wholly visible) and their causal-edge loops."""
     sp = SMALL
     b, kvh, group, d, s = 1, 2, 4, 16, 1024  # 64-key steps: K1 and K2 both have wholly visible ones
     _, k1, k2 = _random_caches(7, b, kvh, s, d, sp)
@@ -277,7 +278,7 @@ def test_bf16_stage1_scores_are_stored_in_bf16_for_prefill_tiles(t):
     kw = dict(scale=d**-0.5, **_score_kw(sp))
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)
     tiled, tokens = compressed_scores_tiled(bf(q), bf(k1), bf(k2), jnp.asarray(positions), interpret=True, **kw)
-    assert tiled.dtype == (jnp.float32 if t == 1 else jnp.bfloat16)
+    assert tiled.dtype == jnp.bfloat16 and tiled.shape[2] == -(-t // tokens) * (1 if t == 1 else 16)
     got = compressed_scores(bf(q), bf(k1), bf(k2), jnp.asarray(positions), interpret=True, **kw)
     ref = compressed_scores_reference(jnp.asarray(bf(q), jnp.float32), jnp.asarray(bf(k1), jnp.float32),
                                       jnp.asarray(bf(k2), jnp.float32), jnp.asarray(positions), **kw)
@@ -289,17 +290,18 @@ def test_bf16_stage1_scores_are_stored_in_bf16_for_prefill_tiles(t):
                num_blocks=s // sp.block_size, init_blocks=sp.init_blocks, local_blocks=sp.local_blocks)
     lengths = jnp.asarray([s], jnp.int32)
     picked = pool_select_blocks_tiled(tiled, jnp.asarray(positions), lengths, tokens=tokens,
-                                      tile_rows=max(16, tokens), interpret=True, **sel)
+                                      tile_rows=score_tile_rows(tokens), interpret=True, **sel)
     want = pool_select_blocks_reference(got, jnp.asarray(positions), lengths, **sel)
     np.testing.assert_array_equal(np.asarray(picked), np.asarray(want))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("nb,k", [(128, 96), (130, 96), (64, 64), (300, 7), (16, 16)])
-def test_select_top_blocks_kernel_matches_numpy_and_reference(nb, k, bits, monkeypatch):
+def test_select_top_blocks_kernel_matches_numpy_and_reference(nb, k, bits, dtype, monkeypatch):
     """Heavy ties, ±inf rows and entries, -0.0 vs +0.0, limits below / inside / past the row, a block
     count that is not a power of two (padded in the kernel) and k equal to the padded output width; for
-    every width of the radix search's steps."""
+    every width of the radix search's steps, over 32-bit keys (fp32 scores) and 16-bit ones (bf16)."""
     monkeypatch.setattr(sparse_attention_kernels, "SELECT_SEARCH_BITS", bits)
     rng = np.random.default_rng(nb + k)
     x = rng.integers(-4, 4, (3, 4, nb)).astype(np.float32)  # [B, KVH, NB]-shaped leading dims
@@ -313,8 +315,10 @@ def test_select_top_blocks_kernel_matches_numpy_and_reference(nb, k, bits, monke
     limit = rng.integers(0, nb + 3, (3, 4)).astype(np.int32)
     limit[0, :2] = nb - 1
     limit[2, 0] = 0
+    x = x.astype(dtype)
     got = np.asarray(select_top_blocks(jnp.asarray(x), jnp.asarray(limit), k=k, interpret=True))
     ref = np.asarray(select_top_blocks_reference(jnp.asarray(x), jnp.asarray(limit), k=k))
+    x = x.astype(np.float32)  # (exact) for the NumPy pick
     assert got.shape == (3, 4, k) and got.dtype == np.int32
     np.testing.assert_array_equal(got, ref)
     for i in range(3):
@@ -324,12 +328,13 @@ def test_select_top_blocks_kernel_matches_numpy_and_reference(nb, k, bits, monke
         select_top_blocks(jnp.asarray(x), jnp.asarray(limit), k=0, interpret=True)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-def test_select_top_blocks_search_edge_cases(bits, monkeypatch):
+def test_select_top_blocks_search_edge_cases(bits, dtype, monkeypatch):
     """The radix search on rows that end it in each way: +inf entries alone reach k, fewer than k entries
     are finite or +inf (the k-th is -inf), one finite value only (fewer than k, and enough), scores of one
     magnitude with +inf forced entries, a tie straddling the k-th place, neighbours one ulp apart (the
-    search runs to the last bit)."""
+    search runs to the last bit: bit 32 for fp32 scores, bit 16 for bf16 ones), negative neighbours."""
     monkeypatch.setattr(sparse_attention_kernels, "SELECT_SEARCH_BITS", bits)
     nb, k = 256, 40
     rng = np.random.default_rng(7)
@@ -344,14 +349,18 @@ def test_select_top_blocks_search_edge_cases(bits, monkeypatch):
     rows[4, ::9] = np.inf  # forced entries and one magnitude
     rows[5, 100:140] = rows[5, 100]  # a tie straddling the k-th place
     rows[5, :20] = np.inf
-    rows[6] = np.nextafter(rows[6], np.float32(1.0), dtype=np.float32)  # neighbours one ulp apart
-    rows[6, 1::2] = np.nextafter(rows[6, 1::2], np.float32(1.0), dtype=np.float32)
+    rows[6] = np.float32(1.5e-3)  # (the odd entries one ulp above, below: the k-th differs in the last bit)
     rows[7, 200:] = -np.inf
     rows[7, :5] = np.inf
-    limit = np.array([nb - 1, nb - 1, nb - 1, 15, nb - 1, 120, nb - 1, nb - 1], np.int32)
+    rows = np.concatenate([rows, -rows[6:7]])  # row 8: negative scores (their keys' low bits flipped)
+    rows = rows.astype(dtype)
+    bits_view = rows[[6, 8]].view(np.uint32 if dtype == np.float32 else np.uint16)
+    bits_view[:, 1::2] += 1  # neighbours one ulp apart (larger in magnitude)
+    rows[[6, 8]] = bits_view.view(rows.dtype)
+    limit = np.array([nb - 1, nb - 1, nb - 1, 15, nb - 1, 120, nb - 1, nb - 1, nb - 1], np.int32)
     got = np.asarray(select_top_blocks(jnp.asarray(rows), jnp.asarray(limit), k=k, interpret=True))
     for i in range(len(rows)):
-        assert got[i].tolist() == np_pick(rows[i], int(limit[i]), k), i
+        assert got[i].tolist() == np_pick(rows[i].astype(np.float32), int(limit[i]), k), i
     ref = select_top_blocks_reference(jnp.asarray(rows), jnp.asarray(limit), k=k)
     np.testing.assert_array_equal(got, np.asarray(ref))
 
@@ -576,10 +585,11 @@ def test_pool_select_attention_kernel_matches_reference(splits, k_blocks):
     got = pool_select_attention(*args, num_splits=splits, interpret=True, **kw)
     assert got.shape == q.shape and got.dtype == q.dtype
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
-    if splits is None:  # bf16 inputs: the splits are stored in bf16, merged in fp32, rounded once
-        q16, k16, v16 = (a.astype(jnp.bfloat16) for a in (q, k, v))
-        got16 = pool_select_attention(q16, k16, v16, *args[3:], interpret=True, **kw)
-        want16 = pool_select_attention_reference(*(a.astype(jnp.float32) for a in (q16, k16, v16)), *args[3:], **kw)
+    if splits is None:  # bf16 inputs (scores too: a 16-bit search): splits stored in bf16, merged in fp32
+        q16, k16, v16, s16 = (a.astype(jnp.bfloat16) for a in (q, k, v, scores))
+        got16 = pool_select_attention(q16, k16, v16, s16, *args[4:], interpret=True, **kw)
+        want16 = pool_select_attention_reference(*(a.astype(jnp.float32) for a in (q16, k16, v16, s16)), *args[4:],
+                                                 **kw)
         assert got16.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(got16, np.float32), np.asarray(want16), atol=2e-2)
     # the reference is the composition it names: picks of pool_select_blocks_reference, attended

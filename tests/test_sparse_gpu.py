@@ -23,6 +23,8 @@ from pallas_kernels.sparse_attention import (
     compressed_scores,
     compressed_scores_reference,
     compressed_visible,
+    force_blocks,
+    pool_block_scores,
     pool_select_attention_reference,
     select_top_blocks,
     select_top_blocks_reference,
@@ -63,9 +65,19 @@ def test_gpu_sparse_kernels_at_8b_dims(length, t):
     n_blocks = -(-length // 64)
     sel_ref = np.asarray(select_blocks(ref, pos, cache.lengths, sparse, n_blocks))
     sel_got = np.asarray(select_blocks(got, pos, cache.lengths, sparse, n_blocks))
-    agree = np.mean([len(set(a) & set(b)) / len(set(a)) for a, b in zip(sel_ref.reshape(-1, sel_ref.shape[-1]),
-                                                                         sel_got.reshape(-1, sel_got.shape[-1]))])
-    assert agree > 0.97  # bf16 near-ties may swap a block
+    # The kernel's scores are bf16 (as InfLLM-v2's): a block may swap only for a near-tie at the k-th place.
+    block_ref = pool_block_scores(ref, pos, cache.lengths, kernel1=32, stride1=16, ratio=4, num_blocks=n_blocks)
+    limit = jnp.broadcast_to((pos // 64)[:, None, :], block_ref.shape[:-1])
+    block_ref = np.asarray(force_blocks(block_ref, limit, (sparse.init_blocks, sparse.local_blocks)))
+    block_ref = block_ref.reshape(-1, n_blocks)  # forced blocks +inf, later ones -inf
+    swapped = 0
+    for row, a, b in zip(block_ref, sel_ref.reshape(-1, sel_ref.shape[-1]), sel_got.reshape(-1, sel_got.shape[-1])):
+        a, b = set(a[a >= 0]), set(b[b >= 0])
+        kth = min(row[list(a)][np.isfinite(row[list(a)])])
+        for blk in a ^ b:
+            assert abs(row[blk] - kth) <= 1e-2 * kth, (blk, row[blk], kth)
+        swapped += len(a - b)
+    assert swapped <= 0.05 * sel_ref.size
     assert (sel_ref >= 0).sum(-1).min() == 96
     # The selection kernel picks exactly what XLA's top-k + sort pick from the same scores.
     sel_kernel = np.asarray(jax.jit(lambda s_, p_, l_: select_blocks(s_, p_, l_, sparse, n_blocks, impl="pallas"))(
@@ -132,7 +144,7 @@ def test_gpu_fused_decode_path_at_8b_dims(length, batch):
     scores = jax.jit(lambda q_, c: compressed_scores(q_, c.k1, c.k2, pos, scale=scale, kernel1=32, stride1=16,
                                                      kernel2=128, stride2=64, layer=1))(q, cache)
     sel = dict(scale=scale, block_size=64, k_blocks=96, kernel1=32, stride1=16, init_blocks=1, local_blocks=32, layer=1)
-    want = pool_select_attention_reference(q, cache.k, cache.v, scores, pos, cache.lengths, **sel)
+    want = pool_select_attention_reference(q, cache.k, cache.v, scores.astype(jnp.float32), pos, cache.lengths, **sel)
     np.testing.assert_allclose(got, np.asarray(want, np.float32), atol=2e-3)
     every_jnp = sparse_attention(q, q, cache, 1, pos, cache.lengths, sparse, scale=scale, impl="xla")
     np.testing.assert_allclose(got, np.asarray(every_jnp, np.float32), atol=3e-2)
