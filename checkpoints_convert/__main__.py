@@ -56,8 +56,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="classic GPTQ: fit each linear to the partly quantized model's own outputs, all linears "
                         "of a layer on the original layer's inputs (default: GPTAQ's asymmetric calibration, "
                         "fitting the full-precision model's outputs, linears in order; slower, better)")
-    z.add_argument("--checkpoint_format", default="gptq", choices=["gptq", "gptq_v2"],
-                   help="zero-point convention of the output (gptq = v1, stored minus one)")
+    z.add_argument("--checkpoint_format", default="auto", choices=["auto", "gptq", "gptq_v2"],
+                   help="zero-point convention of the output: gptq = v1 (stored minus one, so a zero point of 0 "
+                        "cannot be stored: symmetric codes only), gptq_v2 (as is); auto = gptq for symmetric "
+                        "codes, gptq_v2 with --asym")
     z.add_argument("--overwrite", action="store_true", help="replace an existing --dst")
 
     e = sub.add_parser("eagle", help="EAGLE draft -> another tensor layout (CPM.cu/SafeAILab names or vLLM's)")

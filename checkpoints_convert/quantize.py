@@ -175,7 +175,7 @@ def rtn_weights(model, spec: QuantSpec) -> dict[tuple, int4.Int4Weight]:
 
 def quantize_checkpoint(src: str, dst: str, *, method: str = "gptq", group_size: int = 128, sym: bool = True,
                         desc_act: bool = False, calibration_file: str | None = None,
-                        settings: GPTQSettings | None = None, checkpoint_format: str = "gptq",
+                        settings: GPTQSettings | None = None, checkpoint_format: str = "auto",
                         overwrite: bool = False, progress: bool = True) -> QuantSpec:
     """Writes the int4 GPTQ checkpoint of the dense HF checkpoint ``src`` to ``dst`` (atomically)."""
     settings = settings or GPTQSettings()
@@ -188,8 +188,15 @@ def quantize_checkpoint(src: str, dst: str, *, method: str = "gptq", group_size:
         raise MiniCPMError(f"--calibration_file {calibration_file} does not exist")
     if method == "rtn" and desc_act:
         raise MiniCPMError("--desc_act only applies to --method gptq")
-    if checkpoint_format not in ("gptq", "gptq_v2"):
-        raise MiniCPMError(f"--checkpoint_format must be gptq or gptq_v2, got {checkpoint_format!r}")
+    if checkpoint_format not in ("auto", "gptq", "gptq_v2"):
+        raise MiniCPMError(f"--checkpoint_format must be auto, gptq or gptq_v2, got {checkpoint_format!r}")
+    if checkpoint_format == "auto":
+        checkpoint_format = "gptq" if sym else "gptq_v2"
+    if checkpoint_format == "gptq" and not sym:
+        # Checked before any work: an asymmetric group whose zero point is 0 (its weights all >= 0, common
+        # at small group sizes) cannot be written in v1, which would be found only after calibration.
+        raise MiniCPMError("--asym needs --checkpoint_format gptq_v2 (or auto, the default): checkpoint_format "
+                           "gptq (v1) stores zero points minus one in 4 bits and cannot store a zero point of 0")
     check_destination(dst, overwrite)
     spec = QuantSpec(group_size=group_size, sym=sym, act_order=desc_act)
     config = ModelConfig.from_pretrained(src)

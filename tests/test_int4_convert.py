@@ -198,8 +198,14 @@ def test_converter_bad_input(tiny_ckpt, tmp_path, capsys):
     assert "not a GPTQ" in _fails(capsys, "gptq", "--src", src, "--dst", tmp_path / "b")
     assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
 
+    assert "--asym needs --checkpoint_format gptq_v2" in _fails(
+        capsys, "quantize", "--src", src, "--dst", tmp_path / "e", "--method", "rtn", "--asym", "--checkpoint_format",
+        "gptq")  # refused before any work (v1 cannot store a zero point of 0)
+    assert not os.path.exists(tmp_path / "e")
     asym = tmp_path / "asym"
     _convert("quantize", "--src", src, "--dst", asym, "--method", "rtn", "--group_size", "32", "--asym")
+    with open(asym / "config.json") as f:  # --checkpoint_format auto: v2 for asymmetric codes
+        assert json.load(f)["quantization_config"]["checkpoint_format"] == "gptq_v2"
     assert "already quantized" in _fails(capsys, "quantize", "--src", asym, "--dst", tmp_path / "c", "--method", "rtn")
     assert "sym=true" in _fails(capsys, "gptq", "--src", asym, "--dst", tmp_path / "c", "--layout", "marlin")
     assert "already exists" in _fails(capsys, "quantize", "--src", src, "--dst", asym, "--method", "rtn")
