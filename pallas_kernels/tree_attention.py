@@ -20,7 +20,8 @@ a draft step has fewer queries than tree keys). Key ``s`` is visible to query ``
 The kernel is flash-decoding with the rows of a tile being (node, query head of the KV group) pairs: the
 prefix is split across programs as in ``decode_attention`` (every key visible, no mask), and one extra
 split attends to the tree's own keys under the ancestor mask, passed as two 32-bit words per node (trees
-have at most :data:`MAX_TREE_NODES` nodes). The splits are merged by log-sum-exp.
+have at most :data:`MAX_TREE_NODES` nodes). The splits are merged by log-sum-exp (one Pallas launch when
+they number a power of 2, as by default).
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ from pallas_kernels.attention import (
     decode_splits,
     group_rows,
     merge_splits,
+    merge_splits_rows,
     split_outputs,
     ungroup_rows,
 )
-from pallas_kernels.backend import KernelConfig, launch_options, next_power_of_2, tuned_config
+from pallas_kernels.backend import KernelConfig, is_power_of_2, launch_options, next_power_of_2, tuned_config
 
 MAX_TREE_NODES = 64  # two 32-bit mask words per node
 
@@ -146,7 +148,9 @@ def tree_attention(
     block_m = min(cfg.block_q, rows_pad)
     n_m = rows_pad // block_m
     block_k = _key_block(cfg.block_k, s)
-    n_prefix = num_splits or decode_splits(b, kvh, n_m, s, block_k)
+    # By default the prefix splits and the tree split together are a power of 2, merged in one launch
+    # (merge_splits_rows) rather than XLA's passes.
+    n_prefix = num_splits or max(1, decode_splits(b, kvh, n_m, s, block_k) - 1)
     kernel = functools.partial(_tree_kernel, qk_scale=scale * _LOG2E, block_k=block_k, num_prefix_splits=n_prefix,
                                tree_keys=tree_keys, tree_size=m, window=window)
     n_split = n_prefix + 1
@@ -168,4 +172,6 @@ def tree_attention(
         name="minicpm_tree_attention",
         **launch_options(cfg, interpret),
     )(prefix_lengths.astype(jnp.int32), qr, lo_word, hi_word, k, v)
-    return ungroup_rows(merge_splits(o, lse), n, h).astype(q.dtype)
+    merged = merge_splits_rows(o, lse, out_dtype=q.dtype, interpret=interpret) if is_power_of_2(n_split) else \
+        merge_splits(o, lse)
+    return ungroup_rows(merged, n, h).astype(q.dtype)

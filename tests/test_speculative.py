@@ -45,8 +45,11 @@ def numpy_tree_attention(q, k, v, prefix, mask, scale, window=None):
     return out
 
 
+@pytest.mark.parametrize("splits", [3, 2, None])
 @pytest.mark.parametrize("n,m,window", [(7, 7, None), (20, 20, None), (5, 33, 6), (64, 64, None)])
-def test_tree_attention_kernel_matches_reference_and_numpy(n, m, window):
+def test_tree_attention_kernel_matches_reference_and_numpy(n, m, window, splits):
+    """Prefix splits + the tree split merged by the Pallas merge (3 + 1, and the default count, a power of
+    2) or by XLA's (2 + 1)."""
     rng = np.random.default_rng(n + m)
     b, h, kvh, d, s = 2, 4, 2, 16, 112
     q = jnp.asarray(rng.standard_normal((b, n, h, d)), jnp.float32)
@@ -56,7 +59,7 @@ def test_tree_attention_kernel_matches_reference_and_numpy(n, m, window):
     mask = jnp.asarray(rng.random((b, n, m)) < 0.4) | jnp.eye(n, m, dtype=bool)[None]
     want = numpy_tree_attention(q, k[1], v[1], np.asarray(prefix), mask, 0.25, window)
     ref = tree_attention_reference(q, k, v, prefix, mask, scale=0.25, layer=1, window=window)
-    out = tree_attention(q, k, v, prefix, mask, scale=0.25, layer=1, window=window, num_splits=3)
+    out = tree_attention(q, k, v, prefix, mask, scale=0.25, layer=1, window=window, num_splits=splits)
     np.testing.assert_allclose(np.asarray(ref), want, atol=2e-5)
     np.testing.assert_allclose(np.asarray(out), want, atol=2e-5)
 
