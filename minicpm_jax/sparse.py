@@ -43,7 +43,6 @@ from pallas_kernels.sparse_attention import (
     compressed_scores,
     compressed_scores_reference,
     compressed_scores_tiled,
-    score_tile_rows,
     force_blocks,
     local_window_attention,
     merge_attention,
@@ -53,6 +52,7 @@ from pallas_kernels.sparse_attention import (
     pool_select_blocks,
     pool_select_blocks_reference,
     pool_select_blocks_tiled,
+    score_tile_rows,
     select_top_blocks,
 )
 

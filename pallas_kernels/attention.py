@@ -10,7 +10,7 @@ kernels with its signature.
   valid length is split across programs and the partial results are merged by log-sum-exp. Only keys
   below the valid length are read: the cost follows the actual context, not the buffer size.
 * :func:`merge_splits` / :func:`merge_splits_rows` — the log-sum-exp merge of per-split results, in jnp
-  and as one Pallas launch.
+  and as one Pallas launch (:func:`merge_any_splits` picks the launch for power-of-2 split counts).
 
 Shared signature::
 
@@ -314,10 +314,7 @@ def decode_attention(
     """
     o, lse = decode_attention_splits(q, k, v, q_positions, kv_lengths, scale=scale, layer=layer, config=config,
                                      num_splits=num_splits, interpret=interpret)
-    if is_power_of_2(o.shape[2]):  # one launch (the default split counts are powers of 2)
-        merged = merge_splits_rows(o, lse, out_dtype=q.dtype, interpret=interpret)
-    else:
-        merged = merge_splits(o, lse)
+    merged = merge_any_splits(o, lse, out_dtype=q.dtype, interpret=interpret)
     return ungroup_rows(merged, q.shape[1], q.shape[2]).astype(q.dtype)
 
 
@@ -387,6 +384,14 @@ def _merge_rows_kernel(o_ref, lse_ref, out_ref):
     total = jnp.sum(weight)
     weight = weight / jnp.where(total == 0.0, 1.0, total)
     out_ref[...] = jnp.sum(weight[:, None] * o_ref[...].astype(jnp.float32), axis=0).astype(out_ref.dtype)
+
+
+def merge_any_splits(o: jax.Array, lse: jax.Array, *, out_dtype, interpret: bool | None = None) -> jax.Array:
+    """:func:`merge_splits` in ``out_dtype``: one Pallas launch (:func:`merge_splits_rows`) when the split
+    count is a power of 2, as the default counts are; XLA's passes otherwise."""
+    if is_power_of_2(o.shape[-3]):
+        return merge_splits_rows(o, lse, out_dtype=out_dtype, interpret=interpret)
+    return merge_splits(o, lse).astype(out_dtype)
 
 
 def merge_splits_rows(o: jax.Array, lse: jax.Array, *, out_dtype=jnp.float32, interpret: bool | None = None) -> jax.Array:

@@ -175,7 +175,7 @@ def _score_kernel(q_ref, pos_ref, m_ref, l_ref, k1_ref, o_ref, *, qk_scale, grou
     # store the scores in 16 bits); fp32 inputs: an exact fp32 sum.
     reduce_dtype = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
     indicator = jnp.where(owner, 1.0, 0.0).astype(reduce_dtype)
-    head_row = (lax.broadcasted_iota(jnp.int32, (rows, 1), 0) % group_pad) < group
+    head_row = (lax.broadcasted_iota(jnp.int32, (rows, 1), 0) % group_pad) < group  # (decode tiles)
 
     lse_row = jnp.where(seen, lse, jnp.inf)[:, None]  # rows that see nothing get exp2(s - inf) = 0
 
@@ -406,7 +406,7 @@ def _pick_mask(score: jax.Array, lim: jax.Array, *, k: int, bits: int, key_bits:
     The k-th largest score comes from a radix search of ``bits`` (1, 2, 4 or 8) bits per step (at most
     ``key_bits / bits`` steps) over order-preserving int32 keys (no sort, no top-k). ``key_bits=16``: the
     scores are widened bf16 (only the top 16 bits of a key differ), so half the steps settle them."""
-    if 32 % bits or key_bits % bits or key_bits not in (16, 32):
+    if key_bits not in (16, 32) or key_bits % bits:
         raise ValueError(f"bits={bits} must divide key_bits={key_bits} (16 or 32)")
     nbp = score.shape[0]
     raw = lax.bitcast_convert_type(score, jnp.int32)

@@ -43,12 +43,11 @@ from pallas_kernels.attention import (
     _store_split,
     decode_splits,
     group_rows,
-    merge_splits,
-    merge_splits_rows,
+    merge_any_splits,
     split_outputs,
     ungroup_rows,
 )
-from pallas_kernels.backend import KernelConfig, is_power_of_2, launch_options, next_power_of_2, tuned_config
+from pallas_kernels.backend import KernelConfig, launch_options, next_power_of_2, tuned_config
 
 MAX_TREE_NODES = 64  # two 32-bit mask words per node
 
@@ -172,6 +171,4 @@ def tree_attention(
         name="minicpm_tree_attention",
         **launch_options(cfg, interpret),
     )(prefix_lengths.astype(jnp.int32), qr, lo_word, hi_word, k, v)
-    merged = merge_splits_rows(o, lse, out_dtype=q.dtype, interpret=interpret) if is_power_of_2(n_split) else \
-        merge_splits(o, lse)
-    return ungroup_rows(merged, n, h).astype(q.dtype)
+    return ungroup_rows(merge_any_splits(o, lse, out_dtype=q.dtype, interpret=interpret), n, h).astype(q.dtype)

@@ -38,7 +38,6 @@ from pallas_kernels.sparse_attention import (
     compressed_scores,
     compressed_scores_reference,
     compressed_scores_tiled,
-    score_tile_rows,
     compressed_visible,
     local_window_attention,
     local_window_attention_reference,
@@ -49,6 +48,7 @@ from pallas_kernels.sparse_attention import (
     pool_select_blocks_reference,
     SCORES_CONFIG,
     pool_select_blocks_tiled,
+    score_tile_rows,
     select_top_blocks,
     select_top_blocks_reference,
 )
