@@ -28,6 +28,7 @@ from pallas_kernels.attention import (
     kernels_support,
     prefill_attention,
 )
+from pallas_kernels.cache_write import cache_write, cache_write_reference
 from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
 
 
@@ -46,6 +47,8 @@ AttentionFn = Callable[..., jax.Array]
 ATTENTION_IMPLS: dict[str, AttentionFn] = {"xla": attention_reference, "pallas": attention_pallas}
 # Tree-verification attention (speculative decoding), by the same names.
 TREE_ATTENTION_IMPLS: dict[str, AttentionFn] = {"xla": tree_attention_reference, "pallas": tree_attention}
+# Storing the new tokens' K/V in the cache (``KVCache.write``'s writer), by the same names.
+CACHE_WRITERS: dict[str, Callable] = {"xla": cache_write_reference, "pallas": cache_write}
 
 
 class TreeInputs(NamedTuple):
@@ -143,7 +146,7 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions, inv_freq, rope_scale)
         if tree is not None:
             slots = tree.prefix[:, None] + tree.offset + jnp.arange(t, dtype=jnp.int32)[None, :]
-            cache = cache.write(self.layer, k, v, slots, valid)
+            cache = cache.write(self.layer, k, v, slots, valid, CACHE_WRITERS[self.attention_impl])
             dense_tree = lambda: TREE_ATTENTION_IMPLS[self.attention_impl](  # noqa: E731
                 q, cache.k, cache.v, tree.prefix, tree.mask, scale=d**-0.5, layer=self.layer, window=tree.window)
             if self.sparse is None or mode == "dense":
@@ -163,7 +166,7 @@ class Attention(nnx.Module):
                     use = positions + 1 >= sp.dense_len
                     out = jnp.where(use[:, :, None, None], sparse_out, dense_tree())
             return self.o_proj(out.reshape(b, t, nq)), cache
-        cache = cache.write(self.layer, k, v, positions, valid)
+        cache = cache.write(self.layer, k, v, positions, valid, CACHE_WRITERS[self.attention_impl])
         attend = get_attention_impl(self.attention_impl)
         # The stacked cache goes in whole: kernels read this layer's slice in place.
         dense = lambda: attend(q, cache.k, cache.v, positions, kv_lengths, scale=d**-0.5, layer=self.layer)  # noqa: E731

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from minicpm_jax.config import ModelConfig, SparseConfig
+from pallas_kernels.cache_write import cache_write_reference
 
 
 def compressed_sizes(sparse: SparseConfig, max_length: int) -> tuple[int, int]:
@@ -68,16 +69,17 @@ class KVCache:
         per_row = config.num_layers * batch_size * config.num_kv_heads * config.head_dim
         return rows * per_row * jnp.dtype(dtype).itemsize
 
-    def write(self, layer: int, k_new: jax.Array, v_new: jax.Array, positions: jax.Array, valid: jax.Array) -> "KVCache":
+    def write(self, layer: int, k_new: jax.Array, v_new: jax.Array, positions: jax.Array, valid: jax.Array,
+              writer=None) -> "KVCache":
         """Stores ``k_new, v_new [B, T, kv_heads, head_dim]`` at ``positions [B, T]`` of ``layer``.
 
         Tokens with ``valid[B, T] == False`` (chunk padding, finished sequences) are dropped, so they can
-        never overwrite live entries, even at the end of the buffer.
+        never overwrite live entries, even at the end of the buffer. ``writer``: a function with the
+        signature of :func:`pallas_kernels.cache_write.cache_write_reference` (default: that reference, two
+        dropping scatters); the Pallas attention path passes the one-launch kernel.
         """
-        idx = jnp.where(valid, positions, self.max_length)  # out of bounds -> dropped by the scatter
-        rows = jnp.arange(self.batch_size)[:, None]
-        k = self.k.at[layer, rows, :, idx].set(k_new.astype(self.k.dtype), mode="drop")
-        v = self.v.at[layer, rows, :, idx].set(v_new.astype(self.v.dtype), mode="drop")
+        slots = jnp.where(valid, positions, self.max_length)  # out of bounds -> dropped
+        k, v = (writer or cache_write_reference)(self.k, self.v, k_new, v_new, slots, layer=layer)
         return dataclasses.replace(self, k=k, v=v)
 
     def reset(self, rows: jax.Array | None = None) -> "KVCache":

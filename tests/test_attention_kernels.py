@@ -256,3 +256,52 @@ def test_engine_greedy_generation_pallas_equals_xla():
         results, _ = engine.generate(prompts, max_new_tokens=12)
         outputs.append([r.token_ids for r in results])
     assert outputs[0] == outputs[1]
+
+
+# ------------------------------------------------------------------------------------------- cache write
+
+
+def _cache_write_inputs(seed, layers, b, h, s, d, t):
+    """Random caches and new tokens; every row's slots distinct (a decode step or a tree never writes one
+    slot twice), and some out of range, so dropped: the last row's first token at ``s`` (a finished row)
+    and, with 2+ tokens, row 0's last at -1 and the last row's last past ``s``."""
+    rng = np.random.default_rng(seed)
+    kc, vc = (jnp.asarray(rng.standard_normal((layers, b, h, s, d)), jnp.bfloat16) for _ in range(2))
+    kn, vn = (jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32) for _ in range(2))
+    slots = np.stack([rng.permutation(s)[:t] for _ in range(b)]).astype(np.int32)
+    slots[-1, 0] = s
+    if t > 1:
+        slots[0, -1], slots[-1, -1] = -1, s + 2
+    return kc, vc, kn, vn, jnp.asarray(slots)
+
+
+@pytest.mark.parametrize("t", [1, 5, 16, 80])
+def test_cache_write_kernel_matches_scatter(t):
+    """The one-launch cache writer (interpret mode) stores exactly what the two dropping scatters store: the
+    valid tokens at their slots of the named layer (cast to the cache dtype), nothing else touched; 80
+    tokens per row take the scatter itself."""
+    from pallas_kernels.cache_write import cache_write, cache_write_reference
+
+    kc, vc, kn, vn, slots = _cache_write_inputs(t, 3, 2, 3, 96, 16, t)
+    out = jax.jit(functools.partial(cache_write, layer=1, interpret=True))(kc, vc, kn, vn, slots)
+    ref = cache_write_reference(kc, vc, kn, vn, slots, layer=1)
+    for o, r, c, new in zip(out, ref, (kc, vc), (kn, vn)):
+        np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(r, np.float32))
+        # An independent check of the reference itself: a NumPy loop over the tokens.
+        expect = np.asarray(c, np.float32).copy()
+        for bi in range(slots.shape[0]):
+            for ti in range(t):
+                sl = int(slots[bi, ti])
+                if 0 <= sl < c.shape[3]:
+                    expect[1, bi, :, sl] = np.asarray(new[bi, ti].astype(jnp.bfloat16), np.float32)
+        np.testing.assert_array_equal(np.asarray(o, np.float32), expect)
+
+
+def test_cache_write_kernel_rejects_mismatched_shapes():
+    from pallas_kernels.cache_write import cache_write
+
+    kc, vc, kn, vn, slots = _cache_write_inputs(0, 2, 1, 2, 32, 16, 4)
+    with pytest.raises(ValueError, match="do not fit the cache"):
+        cache_write(kc, vc, kn[..., :8], vn[..., :8], slots, layer=0, interpret=True)
+    with pytest.raises(ValueError, match="do not match"):
+        cache_write(kc, vc, kn, vn, slots[:, :2], layer=0, interpret=True)
