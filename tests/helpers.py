@@ -216,3 +216,18 @@ def hf_llama_with_minicpm_folded(cfg: dict, w: dict[str, np.ndarray]):
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def cache_write_inputs(seed: int, layers: int, b: int, h: int, s: int, d: int, t: int):
+    """Random K/V caches ``[layers, b, h, s, d]`` and new tokens ``[b, t, h, d]`` (float32 NumPy) for the
+    cache writer, with slots ``int32 [b, t]``: every row's slots distinct (a decode step or a tree never
+    writes one slot twice), and some out of range, so dropped: the last row's first token at ``s`` (a
+    finished row) and, with 2+ tokens, row 0's last at -1 and the last row's last past ``s``."""
+    rng = np.random.default_rng(seed)
+    kc, vc = (rng.standard_normal((layers, b, h, s, d)) for _ in range(2))
+    kn, vn = (rng.standard_normal((b, t, h, d)) for _ in range(2))
+    slots = np.stack([rng.permutation(s)[:t] for _ in range(b)]).astype(np.int32)
+    slots[-1, 0] = s
+    if t > 1:
+        slots[0, -1], slots[-1, -1] = -1, s + 2
+    return kc, vc, kn, vn, slots

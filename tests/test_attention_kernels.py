@@ -23,7 +23,8 @@ from pallas_kernels.attention import (
     prefill_attention,
 )
 from pallas_kernels.backend import TUNED, KernelConfig
-from tests.helpers import tiny_minicpm_config
+from pallas_kernels.cache_write import cache_write, cache_write_reference
+from tests.helpers import cache_write_inputs, tiny_minicpm_config
 
 SMALL = KernelConfig(block_q=16, block_k=16, num_warps=4, num_stages=2)
 
@@ -262,17 +263,10 @@ def test_engine_greedy_generation_pallas_equals_xla():
 
 
 def _cache_write_inputs(seed, layers, b, h, s, d, t):
-    """Random caches and new tokens; every row's slots distinct (a decode step or a tree never writes one
-    slot twice), and some out of range, so dropped: the last row's first token at ``s`` (a finished row)
-    and, with 2+ tokens, row 0's last at -1 and the last row's last past ``s``."""
-    rng = np.random.default_rng(seed)
-    kc, vc = (jnp.asarray(rng.standard_normal((layers, b, h, s, d)), jnp.bfloat16) for _ in range(2))
-    kn, vn = (jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32) for _ in range(2))
-    slots = np.stack([rng.permutation(s)[:t] for _ in range(b)]).astype(np.int32)
-    slots[-1, 0] = s
-    if t > 1:
-        slots[0, -1], slots[-1, -1] = -1, s + 2
-    return kc, vc, kn, vn, jnp.asarray(slots)
+    """:func:`tests.helpers.cache_write_inputs` as arrays: bf16 caches, fp32 new tokens."""
+    kc, vc, kn, vn, slots = cache_write_inputs(seed, layers, b, h, s, d, t)
+    return (jnp.asarray(kc, jnp.bfloat16), jnp.asarray(vc, jnp.bfloat16), jnp.asarray(kn, jnp.float32),
+            jnp.asarray(vn, jnp.float32), jnp.asarray(slots))
 
 
 @pytest.mark.parametrize("t", [1, 5, 16, 80])
@@ -280,8 +274,6 @@ def test_cache_write_kernel_matches_scatter(t):
     """The one-launch cache writer (interpret mode) stores exactly what the two dropping scatters store: the
     valid tokens at their slots of the named layer (cast to the cache dtype), nothing else touched; 80
     tokens per row take the scatter itself."""
-    from pallas_kernels.cache_write import cache_write, cache_write_reference
-
     kc, vc, kn, vn, slots = _cache_write_inputs(t, 3, 2, 3, 96, 16, t)
     out = jax.jit(functools.partial(cache_write, layer=1, interpret=True))(kc, vc, kn, vn, slots)
     ref = cache_write_reference(kc, vc, kn, vn, slots, layer=1)
@@ -298,8 +290,6 @@ def test_cache_write_kernel_matches_scatter(t):
 
 
 def test_cache_write_kernel_rejects_mismatched_shapes():
-    from pallas_kernels.cache_write import cache_write
-
     kc, vc, kn, vn, slots = _cache_write_inputs(0, 2, 1, 2, 32, 16, 4)
     with pytest.raises(ValueError, match="do not fit the cache"):
         cache_write(kc, vc, kn[..., :8], vn[..., :8], slots, layer=0, interpret=True)

@@ -12,6 +12,7 @@ import pytest
 from minicpm_jax.engine import Engine
 from minicpm_jax.weights import load_model
 from pallas_kernels.attention import attention_reference, decode_attention, prefill_attention
+from pallas_kernels.cache_write import cache_write, cache_write_reference
 from tests import helpers
 
 pytestmark = pytest.mark.gpu
@@ -106,18 +107,9 @@ def test_gpu_cache_write_kernel_matches_scatter():
     """The Pallas cache writer on the GPU (MiniCPM4-8B's 2 KV heads × 128, a 3-row batch) against the
     reference scatters: decode (1 token), a few tokens, a 16-node tree; distinct slots per row (one write
     per slot, as in decoding), some out of range (dropped)."""
-    from pallas_kernels.cache_write import cache_write, cache_write_reference
-
-    rng = np.random.default_rng(0)
-    layers, b, h, s, d = 4, 3, 2, 1000, 128
-    kc, vc = (jnp.asarray(rng.standard_normal((layers, b, h, s, d)), jnp.bfloat16) for _ in range(2))
     for t in (1, 5, 16):
-        kn, vn = (jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32) for _ in range(2))
-        slots = np.stack([rng.permutation(s)[:t] for _ in range(b)]).astype(np.int32)
-        slots[-1, 0] = s  # dropped (a finished row)
-        if t > 1:
-            slots[0, -1], slots[-1, -1] = -1, s + 2
-        slots = jnp.asarray(slots)
+        kc, vc, kn, vn, slots = (jnp.asarray(a) for a in helpers.cache_write_inputs(t, 4, 3, 2, 1000, 128, t))
+        kc, vc = kc.astype(jnp.bfloat16), vc.astype(jnp.bfloat16)
         out = jax.jit(functools.partial(cache_write, layer=2))(kc, vc, kn, vn, slots)
         ref = cache_write_reference(kc, vc, kn, vn, slots, layer=2)
         for o, r in zip(out, ref):
