@@ -10,8 +10,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from checkpoints_convert.common import atomic_output_dir, check_destination, write_json
-from minicpm_jax.eagle import draft_kind_of, from_vllm_names, read_draft_tensors, to_vllm_names
 from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.io.draft import draft_kind_of, from_vllm_names, read_draft_tensors, to_vllm_names
 
 EAGLE_LAYOUTS = ("cpmcu", "vllm")
 
@@ -20,7 +20,7 @@ def _target_head(target: str) -> tuple[np.ndarray, np.ndarray]:
     """(embedding, lm_head) tensors of a target model directory (the embedding twice when tied)."""
     from safetensors import safe_open
 
-    from minicpm_jax.weights import safetensors_files
+    from minicpm_jax.io.safetensors import safetensors_files
 
     files = safetensors_files(target)
     if "model.embed_tokens.weight" not in files:

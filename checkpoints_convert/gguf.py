@@ -167,21 +167,21 @@ def convert_gguf(
         gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
         write_json(os.path.join(tmp, "generation_config.json"), gen)
         if tokenizer:
-            _save_tokenizer(src, tmp)
+            save_tokenizer(src, tmp)
     return cfg
 
 
-def _torch_installed() -> bool:
+def torch_installed() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("torch") is not None
 
 
-def _save_tokenizer(src: str, out_dir: str) -> None:
+def save_tokenizer(src: str, out_dir: str) -> None:
     """Saves the GGUF's tokenizer and chat template as HF tokenizer files (transformers' GGUF support)."""
     from transformers import AutoTokenizer
 
-    if not _torch_installed():  # transformers' GGUF metadata reader imports torch
+    if not torch_installed():  # transformers' GGUF metadata reader imports torch
         raise MiniCPMError(
             "reading a GGUF tokenizer needs PyTorch (transformers' GGUF reader imports it); install the CPU "
             "build: pip install torch --index-url https://download.pytorch.org/whl/cpu"

@@ -18,12 +18,14 @@ from safetensors.numpy import save_file
 
 from checkpoints_convert.common import ShardedSafetensorsWriter, atomic_output_dir, check_destination, write_json
 from checkpoints_convert.hf import copy_side_files, convert_hf
-from minicpm_jax import int4
 from minicpm_jax.config import ModelConfig, read_config_json
 from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.io import int4_formats as int4
+from minicpm_jax.io.hf import hf_checkpoint_quant
+from minicpm_jax.io.int4_checkpoint import MARLIN_CPMCU_FILE, read_int4_linear
+from minicpm_jax.io.names import Linear, model_map, resolve_tied_head, split_linears
+from minicpm_jax.io.safetensors import TensorReader, safetensors_files
 from minicpm_jax.quant import CheckpointQuant, QuantSpec, gptq_config_dict
-from minicpm_jax.weights import _TensorReader, param_sources, resolve_tied_head, safetensors_files
-from minicpm_jax.weights_int4 import MARLIN_CPMCU_FILE, Int4Source, checkpoint_quant, int4_sources, linear_shapes, read_int4_linear
 
 LAYOUTS = ("native", "marlin")
 CPMCU_GROUP_SIZE = 128  # the only group size CPM.cu's Marlin kernel is built for
@@ -31,7 +33,8 @@ CPMCU_GROUP_SIZE = 128  # the only group size CPM.cu's Marlin kernel is built fo
 
 def dense_tensor_names(config: ModelConfig, names: set[str]) -> list[str]:
     """Checkpoint names of the tensors that stay dense in an int4 model (embeddings, norms, lm_head)."""
-    return [n for src in param_sources(config, names, int4_linears=True) for n in src.names]
+    cmap = model_map(config, names)
+    return [t.name for t in cmap.tensors] + [n for lin in cmap.linears if not lin.quantizable for n in lin.weight_names]
 
 
 def write_gptq_tensors(writer: ShardedSafetensorsWriter, config: ModelConfig, linears: dict[tuple, int4.Int4Weight],
@@ -39,10 +42,10 @@ def write_gptq_tensors(writer: ShardedSafetensorsWriter, config: ModelConfig, li
     """Adds every decoder linear in GPTQ form under the split Hugging Face names (``q_proj``, ``k_proj``,
     ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``). ``linears`` maps an Int4Linear's
     module path to its (fused) weight."""
-    shapes = linear_shapes(config)
+    shapes = split_linears(config)
     for path, w in linears.items():
         layer, module, linear = path[2], path[3], path[4]
-        _, parts = shapes[(module, linear)]
+        parts = shapes[(module, linear)]
         for (name, _), part in zip(parts, int4.split_columns(w, [n for _, n in parts])):
             for suffix, array in int4.gptq_pack(part, checkpoint_format).items():
                 writer.add(f"model.layers.{layer}.{module}.{name}.{suffix}", array)
@@ -55,7 +58,7 @@ def write_gptq_config(src: str, dst: str, spec: QuantSpec, checkpoint_format: st
     write_json(os.path.join(dst, "config.json"), raw)
 
 
-def _marlin_tensors(src: Int4Source, w: int4.Int4Weight) -> dict[str, np.ndarray]:
+def _marlin_tensors(src: Linear, w: int4.Int4Weight) -> dict[str, np.ndarray]:
     if w.zeros is not None or not w.trivial_g_idx:
         raise MiniCPMError(f"{src.prefixes[0]}: the marlin-cpmcu layout needs symmetric weights without act-order")
     prefix = ".".join(str(p) for p in src.path)
@@ -73,7 +76,7 @@ def convert_to_marlin(src: str, dst: str, *, overwrite: bool = False, progress: 
     config = ModelConfig.from_pretrained(src)
     files = safetensors_files(src)
     config = resolve_tied_head(config, set(files))
-    quant = checkpoint_quant(src, config, files)
+    quant = hf_checkpoint_quant(src, config, files)
     if quant is None:
         raise MiniCPMError(f"{src} is not an int4 checkpoint (no *.qweight tensors)")
     if not quant.spec.sym or quant.spec.act_order:
@@ -84,12 +87,13 @@ def convert_to_marlin(src: str, dst: str, *, overwrite: bool = False, progress: 
               f"{CPMCU_GROUP_SIZE}", file=sys.stderr)
     names = set(files)
     tensors: dict[str, np.ndarray] = {}
-    with _TensorReader(files) as reader:
+    with TensorReader(files) as reader:
         for name in dense_tensor_names(config, names):
             if name not in names:
                 raise MiniCPMError(f"{src}: missing tensor {name}")
             tensors[name] = np.asarray(reader.get(name))
-        for source in tqdm(int4_sources(config, names), desc="repacking", unit="linear", disable=not progress):
+        int4_linears = [lin for lin in model_map(config, names).linears if lin.quantizable]
+        for source in tqdm(int4_linears, desc="repacking", unit="linear", disable=not progress):
             tensors.update(_marlin_tensors(source, read_int4_linear(source, quant, reader.get_optional)))
     with atomic_output_dir(dst, overwrite) as tmp:
         save_file(tensors, os.path.join(tmp, MARLIN_CPMCU_FILE), metadata={"format": "pt"})

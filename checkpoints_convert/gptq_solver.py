@@ -25,7 +25,7 @@ import numpy as np
 import scipy.linalg
 from jax import lax
 
-from minicpm_jax import int4
+from minicpm_jax.io import int4_formats as int4
 from minicpm_jax.errors import MiniCPMError
 
 BITS = 4
@@ -103,7 +103,7 @@ def _effective_group_size(group_size, k: int) -> int:
 
 
 def rtn_quantize(w, *, group_size: int, sym: bool = True) -> QuantizedWeight:
-    """Round-to-nearest 4-bit quantization of ``w float32 [K, N]`` (:func:`minicpm_jax.int4.rtn_quantize`,
+    """Round-to-nearest 4-bit quantization of ``w float32 [K, N]`` (:func:`minicpm_jax.io.int4_formats.rtn_quantize`,
     checked and returned as a :class:`QuantizedWeight`); g_idx[k] = k // G."""
     w = _as_weight(w)
     r = int4.rtn_quantize(w, group_size=_effective_group_size(group_size, w.shape[0]), sym=sym)

@@ -13,11 +13,10 @@ from flax import nnx
 from checkpoints_convert.common import atomic_output_dir, check_destination
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.errors import MiniCPMError
-from minicpm_jax.weights_int4 import checkpoint_quant
-from minicpm_jax.weights import (
-    abstract_model, fill_model, load_hf_params, resolve_tied_head, save_native,
-    safetensors_files,
-)
+from minicpm_jax.io.hf import hf_checkpoint_quant, hf_params
+from minicpm_jax.io.names import resolve_tied_head
+from minicpm_jax.io.safetensors import safetensors_files
+from minicpm_jax.model.loading import abstract_model, fill_model, save_native
 
 _WEIGHT_FILES = ("config.json", "model.safetensors.index.json")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -61,14 +60,14 @@ def convert_hf(src: str, dst: str, *, dtype: str = "auto", overwrite: bool = Fal
     config = ModelConfig.from_pretrained(src)
     files = safetensors_files(src)
     config = resolve_tied_head(config, set(files))
-    quant = checkpoint_quant(src, config, files)
+    quant = hf_checkpoint_quant(src, config, files)
     if require_int4 and quant is None:
         raise MiniCPMError(f"{src} is not a GPTQ / marlin-cpmcu checkpoint (no *.qweight tensors); "
                            "make one with `python -m checkpoints_convert quantize`")
     jdtype = _source_dtype(files) if dtype == "auto" else jnp.dtype(dtype)
     with jax.default_device(jax.devices("cpu")[0]):
         model = abstract_model(config, max_length=2, dtype=jdtype, sparse="off", quant=None if quant is None else quant.spec)
-        params = load_hf_params(src, config, jdtype, files, quant)
+        params = hf_params(src, config, jdtype, files, quant)
         total = len(nnx.to_flat_state(nnx.state(model, nnx.Param)))
         model = fill_model(model, tqdm(params, total=total, desc="reading", unit="param", disable=not progress))
         with atomic_output_dir(dst, overwrite) as tmp:

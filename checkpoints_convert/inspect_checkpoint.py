@@ -10,8 +10,10 @@ import numpy as np
 
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.errors import MiniCPMError
-from minicpm_jax.weights import is_native, native_metadata, native_quant, resolve_tied_head, safetensors_files
-from minicpm_jax.weights_int4 import checkpoint_quant
+from minicpm_jax.io.hf import hf_checkpoint_quant
+from minicpm_jax.io.names import resolve_tied_head
+from minicpm_jax.io.native import is_native, native_metadata, native_quant
+from minicpm_jax.io.safetensors import safetensors_files
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I32": "int32", "I8": "int8",
                        "U8": "uint8", "I64": "int64", "F64": "float64", "BOOL": "bool"}
@@ -56,10 +58,8 @@ def inspect(path: str) -> dict:
         int4 = None if spec is None else dict(spec.to_dict(), stored="native")
     elif fmt == "hf-safetensors":
         files = safetensors_files(path)
-        ck = checkpoint_quant(path, resolve_tied_head(config, set(files)), files)
+        ck = hf_checkpoint_quant(path, resolve_tied_head(config, set(files)), files)
         int4 = None if ck is None else dict(ck.spec.to_dict(), stored=ck.checkpoint_format)
-        if int4:
-            int4.pop("layout")
     # int4 tensors pack 8 (GPTQ) codes per element: count the model's weights from its config instead
     count = config.num_params if int4 else int(sum(np.prod(shape) for shape, _ in tensors.values()))
     dtypes: dict[str, int] = {}

@@ -28,13 +28,15 @@ from checkpoints_convert.common import ShardedSafetensorsWriter, atomic_output_d
 from checkpoints_convert.gptq import dense_tensor_names, write_gptq_config, write_gptq_tensors
 from checkpoints_convert.gptq_solver import HessianAccumulator, gptq_quantize
 from checkpoints_convert.hf import copy_side_files
-from minicpm_jax import int4
-from minicpm_jax.cache import KVCache
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.errors import MiniCPMError
-from minicpm_jax.quant import QUANTIZED_LINEARS, QuantSpec
-from minicpm_jax.weights import _TensorReader, load_model, resolve_tied_head, safetensors_files
-from minicpm_jax.weights_int4 import checkpoint_quant
+from minicpm_jax.io import int4_formats as int4
+from minicpm_jax.io.hf import hf_checkpoint_quant
+from minicpm_jax.io.names import DECODER_LINEARS, resolve_tied_head
+from minicpm_jax.io.safetensors import TensorReader, safetensors_files
+from minicpm_jax.model.cache import KVCache
+from minicpm_jax.model.loading import load_model
+from minicpm_jax.quant import QuantSpec
 
 METHODS = ("rtn", "gptq")
 
@@ -105,7 +107,7 @@ def calibration_tokens(src: str, text_file: str, settings: GPTQSettings) -> np.n
 
 
 def _linears(layer):
-    for module, name in QUANTIZED_LINEARS:
+    for module, name in DECODER_LINEARS:
         yield module, name, getattr(getattr(layer, module), name)
 
 
@@ -119,7 +121,7 @@ def gptq_calibrate(model, tokens: np.ndarray, spec: QuantSpec, settings: GPTQSet
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (s, t))
     valid = jnp.ones((s, t), bool)
     lengths = jnp.full((s,), t, jnp.int32)
-    x = model.model.embed_tokens(jnp.asarray(tokens)).astype(jnp.float32) * config.scale_emb
+    x = model.embed(jnp.asarray(tokens)).astype(jnp.float32)
     x_ref = x if settings.asym_calibration else None  # the full-precision model's hidden states
     out = {}
 
@@ -202,7 +204,7 @@ def quantize_checkpoint(src: str, dst: str, *, method: str = "gptq", group_size:
     config = ModelConfig.from_pretrained(src)
     files = safetensors_files(src)
     config = resolve_tied_head(config, set(files))
-    if checkpoint_quant(src, config, files) is not None:
+    if hf_checkpoint_quant(src, config, files) is not None:
         raise MiniCPMError(f"{src} is already quantized; quantize a dense (bf16/fp16/fp32) checkpoint")
     for k in {config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim}:
         spec.rows_per_group(k)
@@ -217,7 +219,7 @@ def quantize_checkpoint(src: str, dst: str, *, method: str = "gptq", group_size:
     del model
     with atomic_output_dir(dst, overwrite) as tmp:
         writer = ShardedSafetensorsWriter(tmp)
-        with _TensorReader(files) as reader:
+        with TensorReader(files) as reader:
             for name in dense_tensor_names(config, set(files)):
                 writer.add(name, np.asarray(reader.get(name)))
         write_gptq_tensors(writer, config, linears, checkpoint_format)

@@ -1,33 +1,44 @@
 """minicpm-jax: a JAX/Pallas inference engine for MiniCPM4 / MiniCPM4.1 and Llama-family models.
 
-Quick use::
+Quick use (the demo model; any Hugging Face MiniCPM4 / Llama directory works the same way)::
 
     import jax.numpy as jnp
-    from minicpm_jax import Engine, SamplingParams, load_model, load_tokenizer, encode_prompt
+    from minicpm_jax import Engine, encode_prompt, load_model, load_tokenizer, stop_token_ids
+    from minicpm_jax.cli.demo import ensure_demo_model
 
-    model = load_model("path/to/hf_dir", dtype=jnp.bfloat16, max_length=4096)
-    tok = load_tokenizer("path/to/hf_dir")
+    path = ensure_demo_model()
+    model = load_model(path, dtype=jnp.float32, max_length=512)
+    tok = load_tokenizer(path)
     engine = Engine(model, chunk_length=256)
-    [result], stats = engine.generate([encode_prompt(tok, "Hello!")], max_new_tokens=64)
-    print(tok.decode(result.token_ids))
+    [result], stats = engine.generate([encode_prompt(tok, "Hello!")], max_new_tokens=32,
+                                      stop_token_ids=stop_token_ids(model.config, tok, path))
+    print(tok.decode(result.token_ids, skip_special_tokens=True))
+
+``docs/architecture.md`` maps the packages: ``model`` and ``infllm`` (the network), ``io`` (checkpoints),
+``engine`` (generation, scheduling, speculative decoding), ``cli`` (run, server, perplexity).
 """
 
-from minicpm_jax.cache import KVCache
-from minicpm_jax.config import ModelConfig, RopeConfig, SparseConfig
-from minicpm_jax.eagle import DraftSpec, EagleDraft, load_draft, read_frspec
-from minicpm_jax.engine import Engine, GenerationResult, GenerationStats
+from minicpm_jax.config import DraftSpec, ModelConfig, RopeConfig, SparseConfig
+from minicpm_jax.engine.engine import Engine, GenerationResult, GenerationStats
+from minicpm_jax.engine.sampling import SamplingParams
+from minicpm_jax.engine.scheduler import Request, Scheduler
+from minicpm_jax.engine.speculative.engine import EagleSteps, SpeculativeEngine
+from minicpm_jax.engine.speculative.rounds import SpecConfig
 from minicpm_jax.errors import MiniCPMError
-from minicpm_jax.model import MiniCPMForCausalLM
-from minicpm_jax.sampling import SamplingParams
-from minicpm_jax.speculative import SpecConfig, SpeculativeEngine
+from minicpm_jax.io.frspec import read_frspec
+from minicpm_jax.model.cache import KVCache
+from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
+from minicpm_jax.model.draft import EagleDraft
+from minicpm_jax.model.loading import load_draft, load_model, save_draft, save_native
+from minicpm_jax.quant import QuantSpec
 from minicpm_jax.tokenizer import StreamDecoder, encode_prompt, load_tokenizer, stop_token_ids
-from minicpm_jax.weights import load_model
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DraftSpec",
     "EagleDraft",
+    "EagleSteps",
     "Engine",
     "GenerationResult",
     "GenerationStats",
@@ -35,8 +46,11 @@ __all__ = [
     "MiniCPMError",
     "MiniCPMForCausalLM",
     "ModelConfig",
+    "QuantSpec",
+    "Request",
     "RopeConfig",
     "SamplingParams",
+    "Scheduler",
     "SparseConfig",
     "SpecConfig",
     "SpeculativeEngine",
@@ -46,5 +60,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "read_frspec",
+    "save_draft",
+    "save_native",
     "stop_token_ids",
 ]

@@ -1,4 +1,5 @@
-"""Typed model configuration read from a checkpoint's ``config.json``.
+"""Typed configuration read from a checkpoint's ``config.json``: the model (with its RoPE and InfLLM-v2
+settings) and an EAGLE draft's shape.
 
 Two model types are accepted: ``minicpm`` (MiniCPM / MiniCPM4 / MiniCPM4.1, with the muP-style
 scalings) and ``llama`` (the same network with neutral scalings). Everything is frozen and hashable so
@@ -393,3 +394,98 @@ def _parse(raw: dict) -> ModelConfig:
         sparse=_parse_sparse(raw),
         quantization_json=None if quant is None else json.dumps(quant, sort_keys=True),
     )
+
+
+# ------------------------------------------------------------------------------------------ EAGLE drafts
+DRAFT_KINDS = ("minicpm", "llama", "eagle3")
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftSpec:
+    """Shape of an EAGLE draft.
+
+    kind: ``minicpm`` (MiniCPM4 EAGLE as CPM.cu runs it), ``llama`` (SafeAILab EAGLE-1/2) or ``eagle3``
+    (see :mod:`minicpm_jax.model.draft`). layer: the decoder layer's hyper-parameters (``num_layers`` 1;
+    hidden size, vocabulary and RoPE of the target). residual_scale: multiplier of both residual branches.
+    capture: target layers whose input residual stream is the feature (EAGLE-3), empty = the target's
+    final-normed hidden state. draft_vocab: V_d (EAGLE-3).
+    """
+
+    kind: str
+    layer: ModelConfig
+    residual_scale: float
+    capture: tuple[int, ...] = ()
+    draft_vocab: int = 0
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target feature the draft reads."""
+        return self.layer.hidden_size * max(1, len(self.capture))
+
+    @property
+    def fc_in_features(self) -> int:
+        """Input width of ``fc``: the feature, plus the token embedding for EAGLE-1/2."""
+        return self.feature_size + (0 if self.kind == "eagle3" else self.layer.hidden_size)
+
+    @property
+    def attention_in_features(self) -> int:
+        """Input width of the layer's q/k/v: ``[embedding; hidden]`` for EAGLE-3, else the hidden size."""
+        return 2 * self.layer.hidden_size if self.kind == "eagle3" else self.layer.hidden_size
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, kind: str | None = None, draft_vocab: int | None = None,
+                   **layer_overrides) -> "DraftSpec":
+        """A draft shaped like one target layer (``kind`` default: ``minicpm`` for MiniCPM targets;
+        ``draft_vocab`` for EAGLE-3, default the target vocabulary)."""
+        kind = kind or ("minicpm" if target.model_type.startswith("minicpm") else "llama")
+        if kind not in DRAFT_KINDS:
+            raise MiniCPMError(f"draft kind must be one of {', '.join(DRAFT_KINDS)}, got {kind!r}")
+        layer = dataclasses.replace(target, num_layers=1, sparse=None, quantization_json=None, **layer_overrides)
+        scale = target.scale_depth / math.sqrt(target.num_layers + 1) if kind == "minicpm" else 1.0
+        if kind != "eagle3":
+            return cls(kind, layer, scale)
+        n = target.num_layers
+        capture = (min(2, n - 1), n // 2, max(n - 3, 0))
+        return cls(kind, layer, 1.0, capture, draft_vocab or target.vocab_size)
+
+    @classmethod
+    def from_config(cls, raw: Mapping[str, Any], target: ModelConfig, kind: str,
+                    head_rows: int | None = None) -> "DraftSpec":
+        """The draft of ``kind`` for ``target`` from the draft's own ``config.json`` (``raw``, may be empty):
+        head counts, head_dim and MLP width from it (default: the target's); its hidden size (and, for
+        EAGLE-1/2, vocabulary) must match the target's. EAGLE-3's draft vocabulary: ``draft_vocab_size``,
+        else ``head_rows`` (its lm_head's rows), else the target's. A MiniCPM draft with vLLM's
+        ``mup_denominator`` scales its residuals by ``scale_depth / sqrt(mup_denominator)``."""
+        keys = ("hidden_size",) if kind == "eagle3" else ("hidden_size", "vocab_size")
+        for key in keys:
+            if key in raw and raw[key] != getattr(target, key):
+                raise MiniCPMError(f"draft config {key} = {raw[key]} does not match the target's {getattr(target, key)}")
+        overrides = {}
+        for key, field in (("num_attention_heads", "num_heads"), ("num_key_value_heads", "num_kv_heads"),
+                           ("intermediate_size", "intermediate_size"), ("head_dim", "head_dim")):
+            if isinstance(raw.get(key), int):
+                overrides[field] = raw[key]
+        if "num_attention_heads" in raw and "head_dim" not in raw:
+            overrides["head_dim"] = target.hidden_size // raw["num_attention_heads"]
+        if "num_attention_heads" in raw and "num_key_value_heads" not in raw:
+            overrides["num_kv_heads"] = raw["num_attention_heads"]
+        draft_vocab = None
+        if kind == "eagle3":
+            draft_vocab = raw.get("draft_vocab_size") or head_rows or target.vocab_size
+        spec = cls.for_target(target, kind, draft_vocab=draft_vocab, **overrides)
+        mup = raw.get("mup_denominator")
+        if kind == "minicpm" and isinstance(mup, (int, float)) and mup > 0:
+            # vLLM's EagleMiniCPM scales the residuals by scale_depth / sqrt(mup_denominator).
+            scale_depth = raw.get("scale_depth", target.scale_depth)
+            spec = dataclasses.replace(spec, residual_scale=scale_depth / math.sqrt(mup))
+        return spec
+
+    def to_config(self) -> dict:
+        """The ``config.json`` a draft of this shape is saved with (read back by :meth:`from_config`)."""
+        cfg = self.layer
+        out = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_attention_heads": cfg.num_heads,
+               "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+               "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1}
+        if self.kind == "eagle3":
+            out["draft_vocab_size"] = self.draft_vocab
+        return out

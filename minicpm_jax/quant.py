@@ -13,35 +13,32 @@ import dataclasses
 import os
 from typing import Any
 
+import numpy as np
+
 from minicpm_jax.config import read_json_object
 from minicpm_jax.errors import MiniCPMError
 
 QUANT_CHOICES = ("auto", "none", "int4")
-LAYOUTS = ("kpacked", "marlin")
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2", "marlin")
 QUANTIZED_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
-    """How the decoder linears of a model are stored in memory.
+    """How the decoder linears of a model are stored in memory (always GPTQ-native words ``[K/8, N]``).
 
     group_size: input rows per scale group, or −1 for one group per output column (per-channel).
     sym: symmetric codes (zero point 8, no ``zeros`` parameter).
     act_order: every linear carries ``perm int32 [K]`` (GPTQ ``desc_act``: rows stored sorted by group).
-    layout: ``kpacked`` (GPTQ-native ``[K/8, N]`` words, the default: measured faster) or ``marlin``.
     """
 
     group_size: int = 128
     sym: bool = True
     act_order: bool = False
-    layout: str = "kpacked"
 
     def __post_init__(self):
         if self.group_size != -1 and (self.group_size <= 0 or self.group_size % 16):
             raise MiniCPMError(f"int4 group_size must be -1 (per-channel) or a positive multiple of 16, got {self.group_size}")
-        if self.layout not in LAYOUTS:
-            raise MiniCPMError(f"unknown int4 layout {self.layout!r}; expected one of {', '.join(LAYOUTS)}")
 
     def rows_per_group(self, in_features: int) -> int:
         """The group size of a linear with ``in_features`` inputs; MiniCPMError when it does not divide."""
@@ -58,10 +55,22 @@ class QuantSpec:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "QuantSpec":
+        """Reads :meth:`to_dict`'s output (also that of earlier versions, which named the one in-memory
+        layout, ``kpacked``)."""
+        raw = dict(raw)
+        if raw.pop("layout", "kpacked") != "kpacked":
+            raise MiniCPMError(f"bad int4 settings {raw!r}: only the kpacked in-memory layout exists; re-convert "
+                               "the checkpoint from its GPTQ or marlin source")
         try:
             return cls(**raw)
         except TypeError as e:
             raise MiniCPMError(f"bad int4 settings {raw!r}: {e}") from None
+
+
+def scale_dtype(dtype) -> np.dtype:
+    """Dtype of int4 scales (and zero points) for a model in ``dtype``: float16 for half-precision models
+    (GPTQ's own scale dtype, so checkpoint scales are kept exactly), float32 otherwise."""
+    return np.dtype(np.float32) if np.dtype(dtype) == np.float32 else np.dtype(np.float16)
 
 
 @dataclasses.dataclass(frozen=True)

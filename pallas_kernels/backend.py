@@ -1,80 +1,54 @@
-"""Where and how Pallas kernels run: interpret mode on CPU, the Triton backend on NVIDIA GPUs.
+"""The one place a kernel backend is chosen.
 
-Every kernel launch in this package goes through :func:`launch_options`, so a Mosaic GPU variant can be
-added in one place later (the Triton backend is deprecated upstream from jax 0.11).
-
-Block sizes, warps and pipeline stages come from :data:`TUNED`, a table measured on an H100 with
-``python -m pallas_kernels.tune`` (see that module); shapes not in the table use the nearest measured
-head_dim.
+A backend is a namespace module whose functions have identical names and signatures in every backend:
+:mod:`pallas_kernels.xla` (plain jnp, the reference) and :mod:`pallas_kernels.triton` (Pallas kernels,
+Triton lowering). Users name a backend by its choice name (``--attention_impl``; it selects every op:
+attention, tree attention, KV writes, the int4 matmul, InfLLM-v2); the model keeps that name and looks its
+ops up here on every call, so a compiled model holds no module object. A Mosaic GPU backend would be one
+more entry.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
+from types import ModuleType
 
 import jax
-from jax.experimental.pallas import triton as plt
+
+from pallas_kernels import triton, xla
+from pallas_kernels.flash import kernels_support
+
+AUTO = "auto"
+BACKENDS: dict[str, ModuleType] = {"xla": xla, "pallas": triton}
+CHOICES = (AUTO, *BACKENDS)
+# What every backend namespace provides (checked by the tests).
+OPS = ("attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul", "select_blocks",
+       "sparse_attention", "tree_attention")
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-    """Launch parameters of one kernel.
-
-    block_q: query rows per program (prefill) or rows of the padded query-head group (decode, upper bound).
-    block_k: keys per inner-loop step.
-    num_warps, num_stages: Triton launch settings (warps per program, software-pipeline depth).
-    """
-
-    block_q: int
-    block_k: int
-    num_warps: int
-    num_stages: int
+class UnknownBackend(ValueError):
+    """A backend name that is not one of :data:`CHOICES`."""
 
 
-# Measured on an NVIDIA H100 80GB HBM3, jax 0.11.2, 2026-11-22: `python -m pallas_kernels.tune` (bf16,
-# batch 1, 2 KV heads; head_dim 128 with 32 q heads = MiniCPM4-8B, head_dim 64 with 16 q heads =
-# MiniCPM4-0.5B; prefill = 8K causal prompt, decode = 1 token against 32K keys). Sweep in BENCHMARKS.md;
-# for decode most configs with block_k <= 64 are within 0.5 us of the best, and a configs x split-count
-# grid at 32K (`--grid_contexts`) put all 18 configs within 6% of each other.
-TUNED: dict[tuple[str, int], KernelConfig] = {
-    ("prefill", 64): KernelConfig(block_q=128, block_k=128, num_warps=4, num_stages=3),  # 443 us, 308 TFLOP/s
-    ("prefill", 128): KernelConfig(block_q=128, block_k=64, num_warps=4, num_stages=2),  # 1415 us, 388 TFLOP/s
-    ("decode", 64): KernelConfig(block_q=64, block_k=64, num_warps=4, num_stages=3),  # 16.1 us
-    ("decode", 128): KernelConfig(block_q=64, block_k=32, num_warps=2, num_stages=3),  # 18.8 us
-}
+class UnsupportedShape(ValueError):
+    """The named backend's kernels cannot run this model's shapes."""
 
 
-def tuned_config(kernel: str, head_dim: int) -> KernelConfig:
-    """The measured launch config of ``kernel`` ("prefill" or "decode") for ``head_dim``."""
-    dims = sorted(d for k, d in TUNED if k == kernel)
-    nearest = min(dims, key=lambda d: (abs(d - head_dim), d))
-    return TUNED[(kernel, nearest)]
+def get(name: str) -> ModuleType:
+    """The namespace of the backend ``name`` (a resolved name: ``xla`` or ``pallas``)."""
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise UnknownBackend(f"kernel backend {name!r} is not available (choose from {', '.join(CHOICES)})") from None
 
 
-def default_interpret() -> bool:
-    """Kernels run in interpret mode unless the default backend is a GPU."""
-    return jax.default_backend() != "gpu"
+def resolve(name: str, head_dim: int) -> str:
+    """``auto`` → ``pallas`` on a GPU when the kernels take ``head_dim`` (a power of 2 ≥ 16), else ``xla``;
+    other names are checked (:class:`UnknownBackend`, :class:`UnsupportedShape`) and returned."""
+    if name == AUTO:
+        return "pallas" if jax.default_backend() == "gpu" and kernels_support(head_dim) else "xla"
+    get(name)
+    if BACKENDS[name] is triton and not kernels_support(head_dim):
+        raise UnsupportedShape(f"kernel backend {name!r} needs a power-of-2 head_dim >= 16, this model has "
+                               f"{head_dim} (use xla)")
+    return name
 
-
-def launch_options(config: KernelConfig, interpret: bool | None) -> dict:
-    """Keyword arguments for ``pl.pallas_call``: interpret mode on CPU, Triton compiler params on GPU."""
-    if interpret is None:
-        interpret = default_interpret()
-    if interpret:
-        return {"interpret": True}
-    return {"compiler_params": plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)}
-
-
-@functools.cache
-def num_cores() -> int:
-    """Streaming multiprocessors of the default GPU (132 on an H100 SXM); 132 where it cannot be read."""
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def is_power_of_2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0

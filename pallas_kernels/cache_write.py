@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backend import KernelConfig, launch_options
+from pallas_kernels.launch import KernelConfig, launch_options
 
 # Decode steps and tree verification write a few tokens per row; longer chunks (prefill) keep XLA's scatter,
 # which is one pass over the new rows however many there are.

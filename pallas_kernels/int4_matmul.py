@@ -1,16 +1,13 @@
 """W4A16 matmul ``y = x @ dequant(W)``: a jnp reference and a Pallas dequant-GEMM with its signature.
 
 Weights are unsigned 4-bit codes with per-group scales (and optional zero points), ``w = s·(q − z)``,
-``z = 8`` when ``zeros`` is None (symmetric GPTQ, Marlin's ``uint4b8``). Two in-memory layouts
-(see ``minicpm_jax/int4.py``):
-
-* ``kpacked`` — GPTQ-native ``qweight int32 [K/8, N]``, 8 consecutive input rows per word.
-* ``marlin`` — ``int32 [K/16, 2N]``, 16×64 tiles in mma-fragment order; ``scales``/``zeros`` columns
-  in the kernel's tile order (:func:`minicpm_jax.int4.marlin_col_order`).
+``z = 8`` when ``zeros`` is None (symmetric GPTQ, Marlin's ``uint4b8``), stored in the GPTQ-native
+("kpacked") layout: ``qweight int32 [K/8, N]``, 8 consecutive input rows per word, lowest nibble first
+(checkpoints in other layouts, Marlin's among them, are repacked into it when loaded).
 
 Two kernels (``KERNELS``; :func:`default_kernel` picks one):
 
-* ``planes`` / ``planes_t`` (kpacked; the default for 1..64 rows): a sub-block of ``8·r`` input rows
+* ``planes`` / ``planes_t`` (the default for 1..64 rows): a sub-block of ``8·r`` input rows
   (inside one scale group) is read as ``[r, block_n]`` words and handled as 8 nibble planes of
   ``[r, block_n]`` codes, each multiplied by the matching plane of x (x is split into planes outside,
   ``x[8r + p]`` in plane p). One row (batch-1 decode): elementwise products accumulated in ``[r, block_n]``
@@ -18,9 +15,9 @@ Two kernels (``KERNELS``; :func:`default_kernel` picks one):
   reduced by XLA. 2..64 rows: 8 tensor-core dots of ``[rows, r] @ [r, block_n]`` per sub-block (``planes``)
   or their transpose with the codes as the left operand (``planes_t``, faster for 17..64 rows). Nothing is
   reshaped inside the loop.
-* ``tile`` (both layouts): unpacks a ``[block_k, block_n]`` tile with shifts and masks into code order,
-  then a GEMV (one row) or ``jnp.dot`` on the dequantized tile (2..``MAX_KERNEL_ROWS`` rows, padded to a
-  multiple of 16). Marlin weights, more than 64 rows and 2+ rows with scale groups under 128 run it.
+* ``tile``: unpacks a ``[block_k, block_n]`` tile with shifts and masks into code order, then a GEMV (one
+  row) or ``jnp.dot`` on the dequantized tile (2..``MAX_KERNEL_ROWS`` rows, padded to a multiple of 16).
+  More than 64 rows and 2+ rows with scale groups under 128 run it.
 
 More than ``MAX_KERNEL_ROWS`` rows (prefill chunks) go to the reference: one dequantization, then the XLA
 GEMM.
@@ -29,7 +26,7 @@ Scales are applied once per group to the partial sum: ``Σ x·s·(q − z) = s·
 
 Shared signature::
 
-    f(x, qweight, scales, zeros=None, perm=None, *, group_size, layout="kpacked") -> y
+    f(x, qweight, scales, zeros=None, perm=None, *, group_size) -> y
 
 (the Pallas function adds launch overrides: ``config``, ``splits``, ``kernel``, ``interpret``).
 
@@ -44,13 +41,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backend import KernelConfig, launch_options, next_power_of_2, num_cores
+from pallas_kernels.launch import KernelConfig, launch_options, next_power_of_2, num_cores
 
-LAYOUTS = ("kpacked", "marlin")
 SYM_ZERO = 8
 
 
@@ -103,74 +98,42 @@ def _planes_entry(m: int) -> tuple[str, Int4Config]:
     return PLANES_CONFIGS[1 if m == 1 else 16 if m <= 16 else 64]
 
 
-def default_kernel(m: int, group_size: int, layout: str) -> str:
-    """The kernel :func:`int4_matmul` runs for ``m`` rows, ``group_size`` and ``layout``."""
-    if layout != "kpacked" or m > max(PLANES_CONFIGS):
+def default_kernel(m: int, group_size: int) -> str:
+    """The kernel :func:`int4_matmul` runs for ``m`` rows and ``group_size``."""
+    if m > max(PLANES_CONFIGS):
         return "tile"
     if m == 1 or group_size % PLANES_MIN_GROUP == 0:
         return _planes_entry(m)[0]
     return "tile"
 
 
-def _shape_kn(qweight: jax.Array, layout: str) -> tuple[int, int]:
-    if layout == "kpacked":
-        return qweight.shape[0] * 8, qweight.shape[1]
-    if layout == "marlin":
-        return qweight.shape[0] * 16, qweight.shape[1] // 2
-    raise ValueError(f"unknown int4 layout {layout!r}; expected one of {LAYOUTS}")
+def _shape_kn(qweight: jax.Array) -> tuple[int, int]:
+    return qweight.shape[0] * 8, qweight.shape[1]
 
 
-def _unpack_codes(words: jax.Array, layout: str) -> jax.Array:
-    """Codes of a word tile → ``int32 [BK, BN]`` in the kernel's row/column order.
-
-    kpacked: words ``[BK/8, BN]``; row ``p·BK/8 + r`` holds input row ``8r + p`` of the tile.
-    marlin: words ``[BK/16, 2·BN]``; rows per 16 as (i, h, t), columns per 64 as (b, l, j).
-    """
+def _unpack_codes(words: jax.Array) -> jax.Array:
+    """Codes of a word tile ``[BK/8, BN]`` → ``int32 [BK, BN]`` in the kernel's row order: row
+    ``p·BK/8 + r`` holds input row ``8r + p`` of the tile."""
     shifts = jnp.arange(0, 32, 4, dtype=jnp.int32)
     nib = (words[None, :, :] >> shifts[:, None, None]) & 0xF  # [8, rows, cols]
-    if layout == "kpacked":
-        return nib.reshape(8 * words.shape[0], words.shape[1])
-    kt, n = words.shape[0], words.shape[1] // 2
-    tiles = nib.reshape(2, 2, 2, kt, n // 64, 8, 4, 4)  # i, b, h, kt, c, l, t, j
-    return tiles.transpose(3, 0, 2, 6, 4, 1, 5, 7).reshape(16 * kt, n)
+    return nib.reshape(8 * words.shape[0], words.shape[1])
 
 
-@functools.cache
-def _marlin_row_order(k: int) -> np.ndarray:
-    """Input row held by each position of the Marlin code order (rows per 16 as (i, h, t))."""
-    kt, i, h, t = np.meshgrid(np.arange(k // 16), np.arange(2), np.arange(2), np.arange(4), indexing="ij")
-    return (16 * kt + 8 * h + 2 * t + i).reshape(-1)
-
-
-@functools.cache
-def _col_position(n: int, layout: str) -> np.ndarray | None:
-    """Position in the kernel's column order of each output column (None: natural order)."""
-    if layout == "kpacked":
-        return None
-    c, b, l, j = np.meshgrid(np.arange(n // 64), np.arange(2), np.arange(8), np.arange(4), indexing="ij")
-    return np.argsort((64 * c + 16 * j + 8 * b + l).reshape(-1))
-
-
-def dequantize(qweight, scales, zeros=None, *, group_size: int, layout: str = "kpacked", dtype=jnp.float32):
-    """``[K, N]`` weights in natural row and column order (rows in stored order, before ``perm``)."""
-    k, n = _shape_kn(qweight, layout)
-    q = _unpack_codes(qweight.astype(jnp.int32), layout)
-    if layout == "kpacked":
-        q = q.reshape(8, k // 8, n).transpose(1, 0, 2).reshape(k, n)
-    else:
-        q = jnp.zeros_like(q).at[_marlin_row_order(k)].set(q)
+def dequantize(qweight, scales, zeros=None, *, group_size: int, dtype=jnp.float32):
+    """``[K, N]`` weights in natural row order (rows in stored order, before ``perm``)."""
+    k, n = _shape_kn(qweight)
+    q = _unpack_codes(qweight.astype(jnp.int32)).reshape(8, k // 8, n).transpose(1, 0, 2).reshape(k, n)
     groups = jnp.arange(k) // group_size
     z = SYM_ZERO if zeros is None else zeros.astype(jnp.float32)[groups]
     w = (q.astype(jnp.float32) - z) * scales.astype(jnp.float32)[groups]
-    pos = _col_position(n, layout)
-    return (w if pos is None else w[:, pos]).astype(dtype)
+    return w.astype(dtype)
 
 
-def int4_matmul_reference(x, qweight, scales, zeros=None, perm=None, *, group_size: int, layout: str = "kpacked"):
+def int4_matmul_reference(x, qweight, scales, zeros=None, perm=None, *, group_size: int):
     """``x [..., K] @ dequant(W) → [..., N]`` in plain jnp (fp32 accumulation; the model's xla path)."""
     if perm is not None:
         x = jnp.take(x, perm, axis=-1)
-    w = dequantize(qweight, scales, zeros, group_size=group_size, layout=layout, dtype=x.dtype)
+    w = dequantize(qweight, scales, zeros, group_size=group_size, dtype=x.dtype)
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     return jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision).astype(x.dtype)
 
@@ -206,24 +169,14 @@ def _kpacked_scaled_codes(words: jax.Array) -> tuple[jax.Array, jax.Array]:
     return qf.reshape(8 * rows, words.shape[1]), inv
 
 
-GEMV_SCALED_CODES = True  # the AND-OR unpacking of _kpacked_scaled_codes (see BENCHMARKS.md)
-
-
-def _chunk_dot(x_ref, words, s0, chunk: int, layout: str, gemv: bool) -> tuple[jax.Array, jax.Array]:
+def _chunk_dot(x_ref, words, s0, chunk: int, gemv: bool) -> tuple[jax.Array, jax.Array]:
     """``(Σ_k x·q [rows, BN], Σ_k x [rows, 1])`` in fp32 over input rows ``[s0, s0 + chunk)``."""
     if gemv:
-        x = x_ref[0, pl.ds(s0, chunk)].astype(jnp.float32)
-        if layout == "kpacked":
-            x = _kpacked_x(x)
-            if GEMV_SCALED_CODES:
-                q, inv = _kpacked_scaled_codes(words)
-                return jnp.sum(q * (x * inv)[:, None], axis=0, keepdims=True), jnp.sum(x).reshape(1, 1)
-        q = _codes_to_f32(_unpack_codes(words, layout))  # rows in the layout's code order
-        return jnp.sum(q * x[:, None], axis=0, keepdims=True), jnp.sum(x).reshape(1, 1)
-    q = _codes_to_f32(_unpack_codes(words, layout))
-    x = x_ref[:, pl.ds(s0, chunk)]
-    if layout == "kpacked":
-        x = _kpacked_x(x)
+        x = _kpacked_x(x_ref[0, pl.ds(s0, chunk)].astype(jnp.float32))
+        q, inv = _kpacked_scaled_codes(words)
+        return jnp.sum(q * (x * inv)[:, None], axis=0, keepdims=True), jnp.sum(x).reshape(1, 1)
+    q = _codes_to_f32(_unpack_codes(words))
+    x = _kpacked_x(x_ref[:, pl.ds(s0, chunk)])
     if x.dtype == jnp.float32:  # exact tests
         dot = jnp.dot(x, q, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
     else:
@@ -231,22 +184,20 @@ def _chunk_dot(x_ref, words, s0, chunk: int, layout: str, gemv: bool) -> tuple[j
     return dot, jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True)
 
 
-def _kernel(x_ref, w_ref, s_ref, *rest, chunk, chunks, steps, group_size, layout, gemv, has_zeros):
+def _kernel(x_ref, w_ref, s_ref, *rest, chunk, chunks, steps, group_size, gemv, has_zeros):
     """One program: rows ``block_m`` × columns ``block_n`` × one K split of ``steps`` blocks, each block
     ``chunks`` sub-blocks of ``chunk`` input rows inside one scale group (all weight loads of a block are
     issued before any use, so several are in flight)."""
     z_ref, o_ref = rest if has_zeros else (None, rest[0])
     split = pl.program_id(2)
     block_k = chunk * chunks
-    per_word = 8 if layout == "kpacked" else 16  # input rows per row of packed words
 
     def step(i, acc):
         k0 = pl.multiple_of((split * steps + i) * block_k, block_k)
         starts = [k0 + j * chunk for j in range(chunks)]
-        words = [w_ref[pl.ds(pl.multiple_of(s0 // per_word, chunk // per_word), chunk // per_word), :]
-                 for s0 in starts]
+        words = [w_ref[pl.ds(pl.multiple_of(s0 // 8, chunk // 8), chunk // 8), :] for s0 in starts]
         for s0, w in zip(starts, words):
-            dot, xsum = _chunk_dot(x_ref, w, s0, chunk, layout, gemv)
+            dot, xsum = _chunk_dot(x_ref, w, s0, chunk, gemv)
             g = s0 // group_size
             s = s_ref[pl.ds(g, 1), :].astype(jnp.float32)  # [1, BN]
             z = z_ref[pl.ds(g, 1), :].astype(jnp.float32) if has_zeros else SYM_ZERO
@@ -368,16 +319,14 @@ def _largest_pow2_divisor(n: int, limit: int, at_least: int) -> int:
     return best
 
 
-def _chunk(block_k: int, group_size: int, layout: str) -> int:
+def _chunk(block_k: int, group_size: int) -> int:
     """Rows of one sub-block: block_k, capped at the scale group (a sub-block never spans two groups)."""
-    min_k = 16 if layout == "marlin" else 8
-    if group_size % min_k:
-        raise ValueError(f"group_size {group_size} is not a multiple of {min_k} (needed by the {layout} layout)")
-    return _largest_divisor(group_size, min(block_k, group_size), min_k)
+    if group_size % 8:
+        raise ValueError(f"group_size {group_size} is not a multiple of 8 (a word holds 8 rows)")
+    return _largest_divisor(group_size, min(block_k, group_size), 8)
 
 
-def choose_config(m: int, k: int, n: int, group_size: int, layout: str,
-                  base: Int4Config | None = None, kernel: str = "tile",
+def choose_config(m: int, k: int, n: int, group_size: int, base: Int4Config | None = None, kernel: str = "tile",
                   splits: int | None = None) -> tuple[Int4Config, int]:
     """(launch config, number of K splits) for an ``[m, k] @ [k, n]`` problem; ``base`` (default: the
     table entry of ``kernel`` for m) has its block sizes shrunk to divisors of the problem (of K / splits
@@ -385,9 +334,8 @@ def choose_config(m: int, k: int, n: int, group_size: int, layout: str,
     if base is None and kernel != "tile":
         base = _planes_entry(m)[1]
     cfg = base or (GEMV_CONFIG if m == 1 else DOT_CONFIGS[min(128, max(16, next_power_of_2(m)))])
-    unit = 64 if layout == "marlin" else 8
-    block_n = _largest_pow2_divisor(n, cfg.block_n, unit)
-    chunk = _chunk(min(cfg.block_k, max(1, k // splits)) if splits else cfg.block_k, group_size, layout)
+    block_n = _largest_pow2_divisor(n, cfg.block_n, 8)
+    chunk = _chunk(min(cfg.block_k, max(1, k // splits)) if splits else cfg.block_k, group_size)
     k_split = k // splits if splits and k % (splits * chunk) == 0 else k
     block_k = chunk * _largest_divisor(k_split // chunk, max(1, cfg.block_k // chunk))
     tiles = -(-m // cfg.block_m) * (n // block_n)
@@ -408,7 +356,6 @@ def int4_matmul(
     perm=None,
     *,
     group_size: int,
-    layout: str = "kpacked",
     config: Int4Config | None = None,
     splits: int | None = None,
     kernel: str | None = None,
@@ -417,10 +364,9 @@ def int4_matmul(
     """Pallas W4A16 matmul with the signature of :func:`int4_matmul_reference`.
 
     config / splits: override the launch choice of :func:`choose_config` (tuning, tests).
-    kernel: "tile" or "planes" / "planes_t" (kpacked only; see :func:`_plane_kernel`); default
-    :func:`default_kernel`.
+    kernel: "tile" or "planes" / "planes_t" (see :func:`_plane_kernel`); default :func:`default_kernel`.
     """
-    k, n = _shape_kn(qweight, layout)
+    k, n = _shape_kn(qweight)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
     if k % group_size or scales.shape != (k // group_size, n):
@@ -429,23 +375,18 @@ def int4_matmul(
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     if m > MAX_KERNEL_ROWS and config is None:  # prefill chunks: dequantize once, then the XLA GEMM
-        return int4_matmul_reference(x, qweight, scales, zeros, perm, group_size=group_size, layout=layout)
-    kernel = kernel or default_kernel(m, group_size, layout)
+        return int4_matmul_reference(x, qweight, scales, zeros, perm, group_size=group_size)
+    kernel = kernel or default_kernel(m, group_size)
     if kernel not in KERNELS:
         raise ValueError(f"unknown int4 kernel {kernel!r}; expected one of {KERNELS}")
-    if kernel != "tile" and layout != "kpacked":
-        raise ValueError(f"the {kernel} kernel reads the kpacked layout, not {layout}")
-    cfg, num_splits = choose_config(m, k, n, group_size, layout, config, kernel, splits)
+    cfg, num_splits = choose_config(m, k, n, group_size, config, kernel, splits)
     block_k = cfg.block_k
-    chunk = _chunk(block_k, group_size, layout)
+    chunk = _chunk(block_k, group_size)
     if block_k % chunk or k % (block_k * num_splits):
         raise ValueError(f"block_k {block_k} x {num_splits} splits does not tile K={k} in groups of {group_size}")
     if kernel != "tile":
         return _planes_matmul(x2, qweight, scales, zeros, perm, cfg, num_splits, chunk, group_size, kernel,
                               interpret).astype(x.dtype).reshape(*lead, n)
-    if layout == "marlin":  # the codes come in mma-fragment row order: gather x to match
-        order = jnp.asarray(_marlin_row_order(k))
-        perm = order if perm is None else jnp.take(perm, order)
     if perm is not None:
         x2 = jnp.take(x2, perm, axis=1)
     gemv = m == 1
@@ -454,12 +395,11 @@ def int4_matmul(
     if m_pad != m:
         x2 = jnp.pad(x2, ((0, m_pad - m), (0, 0)))
     block_n = cfg.block_n
-    w_cols = block_n if layout == "kpacked" else 2 * block_n
     grid = (m_pad // block_m, n // block_n, num_splits)
     has_zeros = zeros is not None
     in_specs = [
         pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0)),
-        pl.BlockSpec((qweight.shape[0], w_cols), lambda i, j, s: (0, j)),
+        pl.BlockSpec((qweight.shape[0], block_n), lambda i, j, s: (0, j)),
         pl.BlockSpec((scales.shape[0], block_n), lambda i, j, s: (0, j)),
     ]
     args = [x2, qweight, scales]
@@ -467,7 +407,7 @@ def int4_matmul(
         in_specs.append(pl.BlockSpec((scales.shape[0], block_n), lambda i, j, s: (0, j)))
         args.append(zeros)
     kernel = functools.partial(
-        _kernel, chunk=chunk, chunks=block_k // chunk, steps=k // block_k // num_splits, group_size=group_size, layout=layout,
+        _kernel, chunk=chunk, chunks=block_k // chunk, steps=k // block_k // num_splits, group_size=group_size,
         gemv=gemv, has_zeros=has_zeros,
     )
     partial = pl.pallas_call(
@@ -479,16 +419,13 @@ def int4_matmul(
         **launch_options(KernelConfig(block_m, chunk, cfg.num_warps, cfg.num_stages), interpret),
     )(*args)
     y = partial[0] if num_splits == 1 else jnp.sum(partial, axis=0)
-    pos = _col_position(n, layout)
-    if pos is not None:
-        y = y[:, pos]
     return y[:m].astype(x.dtype).reshape(*lead, n)
 
 
 def _planes_matmul(x2, qweight, scales, zeros, perm, cfg: Int4Config, num_splits: int, chunk: int,
                    group_size: int, kernel: str, interpret):
-    """``x2 [m, K] @ dequant(W)`` through :func:`_plane_kernel` (kpacked); float32 ``[m, N]``."""
-    k, n = _shape_kn(qweight, "kpacked")
+    """``x2 [m, K] @ dequant(W)`` through :func:`_plane_kernel`; float32 ``[m, N]``."""
+    k, n = _shape_kn(qweight)
     m = x2.shape[0]
     if perm is not None:
         x2 = jnp.take(x2, perm, axis=1)

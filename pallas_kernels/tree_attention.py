@@ -33,21 +33,21 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.attention import (
-    _LOG2E,
-    _attend_block,
-    _check_shapes,
-    _empty_carry,
-    _key_block,
-    _layer_view,
-    _store_split,
-    decode_splits,
+from pallas_kernels.attention import decode_splits
+from pallas_kernels.flash import (
+    LOG2E,
+    attend_block,
+    check_shapes,
+    empty_carry,
     group_rows,
+    key_block,
+    layer_view,
     merge_any_splits,
     split_outputs,
+    store_split,
     ungroup_rows,
 )
-from pallas_kernels.backend import KernelConfig, launch_options, next_power_of_2, tuned_config
+from pallas_kernels.launch import KernelConfig, launch_options, next_power_of_2, tuned_config
 
 MAX_TREE_NODES = 64  # two 32-bit mask words per node
 
@@ -90,7 +90,7 @@ def _tree_kernel(len_ref, q_ref, lo_word_ref, hi_word_ref, k_ref, v_ref, o_ref, 
     split = pl.program_id(2)
     q = q_ref[...]
     m_rows = q.shape[0]
-    carry = _empty_carry(m_rows, q.shape[1])
+    carry = empty_carry(m_rows, q.shape[1])
     # Prefix splits: every key in [lo, prefix) is visible (only the end blocks are masked).
     lo = 0 if window is None else jnp.maximum(prefix - window, 0)
     first_block = lo // block_k
@@ -99,7 +99,7 @@ def _tree_kernel(len_ref, q_ref, lo_word_ref, hi_word_ref, k_ref, v_ref, o_ref, 
     first = first_block + split * per_split  # past the end for the tree split: an empty loop
     last = jnp.minimum(first + per_split, first_block + n_blocks)
     everything = jnp.full((m_rows,), prefix, jnp.int32)
-    step = functools.partial(_attend_block, q, k_ref, v_ref, qk_scale=qk_scale, block_k=block_k, pos=everything,
+    step = functools.partial(attend_block, q, k_ref, v_ref, qk_scale=qk_scale, block_k=block_k, pos=everything,
                              kv_len=prefix, lo=None if window is None else lo)
     carry = lax.fori_loop(first, last, lambda j, c: step(j * block_k, c), carry)
 
@@ -111,10 +111,10 @@ def _tree_kernel(len_ref, q_ref, lo_word_ref, hi_word_ref, k_ref, v_ref, o_ref, 
         word = jnp.where(idx[None, :] < 32, lo_word_ref[...][:, None], hi_word_ref[...][:, None])
         bit = lax.shift_right_logical(word, jnp.bitwise_and(idx, 31)[None, :]) & 1
         end = jnp.minimum(prefix + tree_size, k_ref.shape[0])  # tree keys past the buffer were not stored
-        return _attend_block(q, k_ref, v_ref, start, c, qk_scale=qk_scale, block_k=tree_keys,
+        return attend_block(q, k_ref, v_ref, start, c, qk_scale=qk_scale, block_k=tree_keys,
                              pos=jnp.full((m_rows,), end, jnp.int32), kv_len=end, lo=prefix, mask=bit != 0)
 
-    _store_split(o_ref, lse_ref, lax.fori_loop(0, (split == num_prefix_splits).astype(jnp.int32), tree_step, carry))
+    store_split(o_ref, lse_ref, lax.fori_loop(0, (split == num_prefix_splits).astype(jnp.int32), tree_step, carry))
 
 
 def tree_attention(
@@ -126,9 +126,9 @@ def tree_attention(
 
     ``num_splits`` overrides how many programs split each prefix (one more attends to the tree keys).
     """
-    (k, _), (v, layer) = _layer_view(k, layer), _layer_view(v, layer)
+    (k, _), (v, layer) = layer_view(k, layer), layer_view(v, layer)
     b, n, h, d = q.shape
-    _check_shapes(q, k, v, jnp.zeros((b, n), jnp.int32), prefix_lengths)
+    check_shapes(q, k, v, jnp.zeros((b, n), jnp.int32), prefix_lengths)
     m = tree_mask.shape[2]
     if not 1 <= m <= MAX_TREE_NODES:
         raise ValueError(f"tree_attention takes 1..{MAX_TREE_NODES} tree keys, got {m}")
@@ -146,11 +146,11 @@ def tree_attention(
     rows_pad = qr.shape[2]
     block_m = min(cfg.block_q, rows_pad)
     n_m = rows_pad // block_m
-    block_k = _key_block(cfg.block_k, s)
+    block_k = key_block(cfg.block_k, s)
     # By default the prefix splits and the tree split together are a power of 2, merged in one launch
     # (merge_splits_rows) rather than XLA's passes.
     n_prefix = num_splits or max(1, decode_splits(b, kvh, n_m, s, block_k) - 1)
-    kernel = functools.partial(_tree_kernel, qk_scale=scale * _LOG2E, block_k=block_k, num_prefix_splits=n_prefix,
+    kernel = functools.partial(_tree_kernel, qk_scale=scale * LOG2E, block_k=block_k, num_prefix_splits=n_prefix,
                                tree_keys=tree_keys, tree_size=m, window=window)
     n_split = n_prefix + 1
     out_specs, out_shape = split_outputs(b, kvh, n_split, rows_pad, block_m, d, q.dtype)

@@ -57,7 +57,7 @@ def demo_cache(smollm2_gguf, tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def smollm2_dir(demo_cache) -> str:
     """The demo GGUF converted (by the demo path) to an HF-style directory (float32, exact)."""
-    from minicpm_jax.demo import ensure_demo_model
+    from minicpm_jax.cli.demo import ensure_demo_model
 
     return ensure_demo_model(progress=False)
 
@@ -86,7 +86,7 @@ def smollm2_tokenizer(smollm2_dir):
 def smollm2_model(smollm2_dir):
     import jax.numpy as jnp
 
-    from minicpm_jax.weights import load_model
+    from minicpm_jax.model.loading import load_model
 
     return load_model(smollm2_dir, dtype=jnp.float32, max_length=512)
 

@@ -1,18 +1,29 @@
-"""Shared test helpers: tiny random MiniCPM4 checkpoints, a NumPy reference forward, HF oracles."""
+"""Test data builders: tiny random MiniCPM4 configs and checkpoints, the small InfLLM-v2 geometry, random
+trees, int4 weights and GPTQ tensors, cache-writer inputs, an abstract GPU mesh, and error measures.
+
+The oracles (NumPy forward, transformers, format definitions) are in :mod:`tests.oracles`."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import numpy as np
 from safetensors.numpy import save_file
 
+from minicpm_jax.config import SparseConfig
+from minicpm_jax.io import int4_formats
+from tests.oracles import pack_cols_oracle, pack_rows_oracle
+
+# MiniCPM4's InfLLM-v2 geometry scaled down 8x: windows 4/2 and 16/8, 8-token blocks, 2 local blocks + 1 init.
+SMALL = SparseConfig(kernel_size=4, kernel_stride=2, init_blocks=1, block_size=8, window_size=16, topk=3,
+                     use_nope=False, dense_len=32)
+
 
 def tiny_minicpm_config(**overrides) -> dict:
-    """A small MiniCPM4-style config.json: GQA 4:1, untied head, non-trivial scalings and LongRoPE."""
-    head_dim = 16
+    """A small MiniCPM4-style config.json: GQA 4:1, untied head, non-trivial scalings and LongRoPE (its
+    factors sized for the ``head_dim`` override, 16 by default)."""
+    head_dim = overrides.get("head_dim", 16)
     rng = np.random.default_rng(123)
     cfg = {
         "architectures": ["MiniCPMForCausalLM"],
@@ -98,121 +109,6 @@ def write_checkpoint(path: str, cfg: dict, weights: dict[str, np.ndarray], shard
     return path
 
 
-# ----------------------------------------------------------------------------- NumPy reference
-def numpy_forward(cfg: dict, w: dict[str, np.ndarray], ids: np.ndarray, max_length: int) -> np.ndarray:
-    """Logits ``[T, vocab]`` (float64) of one sequence, written directly from the MiniCPM4 formulas."""
-    h, d = cfg["hidden_size"], cfg["head_dim"]
-    nh, nkv, L = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
-    eps = cfg["rms_norm_eps"]
-    t = len(ids)
-    W = {k: v.astype(np.float64) for k, v in w.items()}
-
-    # RoPE: inv_freq_i = 1 / (ext_i * theta^(2i/d)); ext = long iff the cache exceeds the original length.
-    rs = cfg.get("rope_scaling") or {}
-    inv = 1.0 / cfg.get("rope_theta", 10000.0) ** (np.arange(0, d, 2) / d)
-    mscale = 1.0
-    if rs.get("rope_type") == "longrope":
-        orig = rs["original_max_position_embeddings"]
-        ext = np.array(rs["long_factor"] if max_length > orig else rs["short_factor"])
-        inv = inv / ext
-        ratio = cfg["max_position_embeddings"] / orig
-        mscale = math.sqrt(1 + math.log(ratio) / math.log(orig)) if ratio > 1 else 1.0
-    ang = np.arange(t)[:, None] * inv[None, :]
-    cos = np.concatenate([np.cos(ang)] * 2, -1) * mscale
-    sin = np.concatenate([np.sin(ang)] * 2, -1) * mscale
-
-    def rope(x):  # [T, heads, d]
-        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-        rot = np.concatenate([-x2, x1], -1)
-        return x * cos[:, None] + rot * sin[:, None]
-
-    def rms(x, g):
-        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * g
-
-    def silu(x):
-        return x / (1 + np.exp(-x))
-
-    res = cfg.get("scale_depth", 1.0) / math.sqrt(L) if cfg["model_type"] == "minicpm" else 1.0
-    x = W["model.embed_tokens.weight"][ids] * (cfg.get("scale_emb", 1.0) if cfg["model_type"] == "minicpm" else 1.0)
-    causal = np.tril(np.ones((t, t), bool))
-    for layer in range(L):
-        p = f"model.layers.{layer}."
-        a = rms(x, W[p + "input_layernorm.weight"])
-        q = rope((a @ W[p + "self_attn.q_proj.weight"].T).reshape(t, nh, d))
-        k = rope((a @ W[p + "self_attn.k_proj.weight"].T).reshape(t, nkv, d))
-        v = (a @ W[p + "self_attn.v_proj.weight"].T).reshape(t, nkv, d)
-        out = np.zeros((t, nh, d))
-        for head in range(nh):
-            kv = head // (nh // nkv)
-            s = q[:, head] @ k[:, kv].T / math.sqrt(d)
-            s = np.where(causal, s, -np.inf)
-            p_ = np.exp(s - s.max(-1, keepdims=True))
-            p_ /= p_.sum(-1, keepdims=True)
-            out[:, head] = p_ @ v[:, kv]
-        x = x + res * (out.reshape(t, nh * d) @ W[p + "self_attn.o_proj.weight"].T)
-        m = rms(x, W[p + "post_attention_layernorm.weight"])
-        g = silu(m @ W[p + "mlp.gate_proj.weight"].T) * (m @ W[p + "mlp.up_proj.weight"].T)
-        x = x + res * (g @ W[p + "mlp.down_proj.weight"].T)
-    x = rms(x, W["model.norm.weight"])
-    if cfg["model_type"] == "minicpm":
-        x = x / (h / cfg.get("dim_model_base", 1.0))
-    head = W["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings", False) else W["lm_head.weight"]
-    return x @ head.T
-
-
-# ----------------------------------------------------------------------------- transformers oracle
-def hf_llama_with_minicpm_folded(cfg: dict, w: dict[str, np.ndarray]):
-    """transformers ``LlamaForCausalLM`` computing the same function as a MiniCPM checkpoint.
-
-    scale_emb is folded into the embedding, scale_depth/sqrt(L) into o_proj and down_proj, and
-    dim_model_base/hidden into lm_head; LongRoPE goes through transformers' own rope init.
-    """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    L = cfg["num_hidden_layers"]
-    rs = cfg.get("rope_scaling")
-    rope_parameters = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
-    if rs and rs.get("rope_type") == "longrope":
-        rope_parameters = {
-            "rope_type": "longrope",
-            "rope_theta": cfg["rope_theta"],
-            "short_factor": rs["short_factor"],
-            "long_factor": rs["long_factor"],
-            "original_max_position_embeddings": rs["original_max_position_embeddings"],
-        }
-    lcfg = LlamaConfig(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=L,
-        num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg["num_key_value_heads"],
-        head_dim=cfg["head_dim"],
-        max_position_embeddings=cfg["max_position_embeddings"],
-        rms_norm_eps=cfg["rms_norm_eps"],
-        rope_parameters=rope_parameters,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-    )
-    model = LlamaForCausalLM(lcfg).eval()
-    res = cfg["scale_depth"] / math.sqrt(L)
-    sd = {}
-    for name, value in w.items():
-        v = value.astype(np.float32)
-        if name == "model.embed_tokens.weight":
-            v = v * cfg["scale_emb"]
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            v = v * res
-        sd[name] = torch.from_numpy(np.ascontiguousarray(v))
-    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
-    sd["lm_head.weight"] = torch.from_numpy(np.ascontiguousarray(head * (cfg["dim_model_base"] / cfg["hidden_size"])))
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
-    return model
-
-
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
@@ -231,3 +127,75 @@ def cache_write_inputs(seed: int, layers: int, b: int, h: int, s: int, d: int, t
     if t > 1:
         slots[0, -1], slots[-1, -1] = -1, s + 2
     return kc, vc, kn, vn, slots
+
+
+def random_tree(rng, t: int, max_depth: int):
+    """depths and the ancestor-or-self mask ``bool[t, t]`` of a random tree of ``t`` nodes (node 0 = the
+    root, parent < child, depth at most ``max_depth``)."""
+    parent = np.zeros(t, np.int64)
+    depth = np.zeros(t, np.int64)
+    for i in range(1, t):
+        choices = [j for j in range(i) if depth[j] < max_depth]
+        parent[i] = rng.choice(choices)
+        depth[i] = depth[parent[i]] + 1
+    mask = np.zeros((t, t), bool)
+    for i in range(t):
+        j = i
+        while True:
+            mask[i, j] = True
+            if j == 0:
+                break
+            j = parent[j]
+    return depth, mask
+
+
+def abstract_gpu_mesh():
+    """A one-device abstract mesh of an H100, to lower kernels for CUDA without a GPU; skips the calling
+    test on a jax that cannot trace for an abstract GPU."""
+    import pytest
+
+    try:
+        from jax.sharding import AbstractDevice, AbstractMesh
+
+        device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+        return AbstractMesh((1,), ("x",), abstract_device=device)
+    except (ImportError, TypeError) as e:  # pragma: no cover - older jax
+        pytest.skip(f"this jax cannot trace for an abstract GPU: {e}")
+
+
+# ----------------------------------------------------------------------------- int4 weights
+def act_order_g_idx(rng, k: int, gs: int) -> np.ndarray:
+    """Each of the k/gs groups exactly gs rows, scattered over K (GPTQ desc_act without static groups)."""
+    return rng.permutation(np.repeat(np.arange(k // gs), gs)).astype(np.int32)
+
+
+def random_weight(rng, k, n, gs, *, sym=True, act_order=False) -> int4_formats.Int4Weight:
+    g_idx = act_order_g_idx(rng, k, gs) if act_order else np.arange(k, dtype=np.int32) // gs
+    scales = rng.uniform(0.005, 0.02, (k // gs, n)).astype(np.float32)
+    zeros = None if sym else rng.integers(0, 16, (k // gs, n)).astype(np.float32)
+    return int4_formats.Int4Weight(rng.integers(0, 16, (k, n)).astype(np.uint8), scales, zeros, g_idx, gs)
+
+
+def random_gptq_tensors(rng, k, n, gs, *, sym, fmt, act_order):
+    """(codes, qweight, qzeros, scales, g_idx) of a random GPTQ linear, packed by the format oracles;
+    symmetric zeros stored as 7 (v1) or 8 (v2)."""
+    groups = 1 if gs == -1 else k // gs
+    real_gs = k if gs == -1 else gs
+    q = rng.integers(0, 16, (k, n))
+    if sym:
+        stored = np.full((groups, n), 7 if fmt == "gptq" else 8)
+    else:
+        stored = rng.integers(0, 16, (groups, n))
+    qweight, qzeros = pack_rows_oracle(q), pack_cols_oracle(stored)
+    scales = rng.uniform(0.001, 0.05, (groups, n)).astype(np.float16)
+    g_idx = act_order_g_idx(rng, k, real_gs) if act_order else np.arange(k, dtype=np.int32) // real_gs
+    return q, qweight, qzeros, scales, g_idx
+
+
+def assert_close(got, want, rtol):
+    """Elementwise, relative to the output's scale."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape
+    scale = np.abs(want).max()
+    err = np.abs(got - want).max()
+    assert err <= rtol * scale, f"max error {err:.3g} > {rtol:g} x output scale {scale:.3g}"

@@ -1,0 +1,159 @@
+"""The ``e2e`` scenario: the real engine (chunked prefill, on-device decode loop) on a model shape with
+random weights — decode ms/token against (weights + valid K/V bytes) / copy bandwidth, prefill tok/s
+against FLOPs per token / matmul FLOP/s — and the HF transformers peer rows beside it."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.shapes import SHAPES, decode_weight_bytes, prefill_flops_per_token, random_model
+from minicpm_jax.config import ModelConfig
+from minicpm_jax.engine.engine import Engine
+from minicpm_jax.engine.steps import decode_steps
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.model.cache import KVCache
+from minicpm_jax.quant import QuantSpec
+
+
+@dataclasses.dataclass
+class Row:
+    shape: str
+    attention_impl: str
+    quant: str
+    context: int
+    batch_size: int
+    max_length: int
+    prefill_tok_s: list[float]
+    decode_ms_per_token: list[float]
+    roofline_ms: float
+    prefill_roofline_tok_s: float
+    sparse: str = "off"
+    cache_bytes: int = 0
+    peak_bytes: int | None = None
+
+    @property
+    def decode_ms(self) -> float:
+        return statistics.median(self.decode_ms_per_token)
+
+    @property
+    def pct_roofline(self) -> float:
+        return 100 * self.roofline_ms / self.decode_ms
+
+
+def decode_hlo(engine: Engine, mode: str = "dense") -> str:
+    """Optimized HLO of the engine's decode block (compiled here from the same program, for performance work)."""
+    steps = engine.steps
+    fn = jax.jit(functools.partial(decode_steps, steps.graphdef, num_steps=engine.decode_block), donate_argnums=1,
+                 static_argnames=("mode", "sampling"))
+    return fn.lower(steps.state, engine.cache, engine.decode_state([], [], []), mode=mode).compile().as_text()
+
+
+def bench_end_to_end(shape: str, contexts: list[int], batch_size: int, decode_steps: int, decode_block: int,
+                     chunk_length: int, dtype, repeats: int, bandwidth: float, flops: float,
+                     max_length: int | None = None, dump_hlo: str | None = None,
+                     attention_impl: str = "auto", quant: QuantSpec | None = None, sparse: str = "off") -> list[Row]:
+    config = ModelConfig.from_dict(SHAPES[shape])
+    max_length = max_length or max(contexts) + decode_steps + 8
+    if max_length < max(contexts) + decode_steps:
+        raise MiniCPMError(f"--max_length {max_length} is too small for context {max(contexts)} + {decode_steps} steps")
+    model = random_model(config, max_length, dtype, attention_impl, quant, sparse)
+    impl = model.attention_impl
+    cache_bytes = KVCache.nbytes(config, batch_size, max_length, dtype, model.sparse)
+    qname = "none" if quant is None else f"int4 g{quant.group_size}"
+    engine = Engine(model, batch_size=batch_size, chunk_length=min(chunk_length, max_length), decode_block=decode_block)
+    itemsize = jnp.dtype(dtype).itemsize
+    wbytes = decode_weight_bytes(config, itemsize, quant)
+    rng = np.random.default_rng(0)
+    rows = []
+    for ctx in contexts:
+        prompts = [list(rng.integers(0, config.vocab_size, ctx)) for _ in range(batch_size)]
+        engine.generate(prompts, max_new_tokens=decode_steps)  # compile + warm up
+        if dump_hlo:
+            with open(dump_hlo, "w") as f:
+                f.write(decode_hlo(engine))
+            dump_hlo = None
+        pre, dec = [], []
+        for _ in range(repeats):
+            results, stats = engine.generate(prompts, max_new_tokens=decode_steps)
+            assert all(len(r.token_ids) == decode_steps for r in results)
+            pre.append(stats.prefill_tokens_per_s)
+            dec.append(1e3 * stats.decode_time / (decode_steps - 1))  # per step (all rows advance together)
+        # The least KV a step must read is the valid context (the xla path reads all max_length slots).
+        kv_bytes = 2 * config.num_layers * batch_size * config.num_kv_heads * ctx * config.head_dim * itemsize
+        roofline_ms = 1e3 * (wbytes + kv_bytes) / bandwidth
+        prefill_roof = flops / prefill_flops_per_token(config, ctx)
+        stats = jax.devices()[0].memory_stats() or {}
+        rows.append(Row(shape, impl, qname, ctx, batch_size, max_length, pre, dec, roofline_ms, prefill_roof, sparse,
+                        cache_bytes, stats.get("peak_bytes_in_use")))
+        print(f"  {shape} {impl} {qname} sparse={sparse} ctx={ctx}: decode {dec} ms/token (roofline {roofline_ms:.3f} ms), prefill {pre} tok/s",
+              file=sys.stderr)
+    return rows
+
+
+def _peer_row(peer: dict | None, attn: str, ctx: int) -> dict | None:
+    for r in (peer or {}).get("rows", []):
+        if r["attn"] == attn and r["context"] == ctx:
+            return r
+    return None
+
+
+def markdown(rows: list[Row], bandwidth: float, flops: float, device: str, peer: dict | None = None) -> str:
+    attns = sorted({r["attn"] for r in (peer or {}).get("rows", [])})
+    head = ("| shape | attention | weights | sparse | batch | context | max_length | decode ms/token (runs) | roofline ms | "
+            "% of roofline | decode vs dense | prefill tok/s (runs) | % of matmul roofline | KV cache GB | peak GPU GB |")
+    sep = "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    for a in attns:
+        head += f" HF {a} decode ms/token | ours vs HF {a} decode | HF {a} prefill tok/s |"
+        sep += "---|---|---|"
+    lines = [
+        f"device: {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; bf16 matmul {flops / 1e12:.0f} TFLOP/s",
+        "",
+        head,
+        sep,
+    ]
+    for r in rows:
+        runs = ", ".join(f"{x:.3f}" for x in r.decode_ms_per_token)
+        pre = ", ".join(f"{x:,.0f}" for x in r.prefill_tok_s)
+        pct_pre = 100 * statistics.median(r.prefill_tok_s) / r.prefill_roofline_tok_s
+        dense = [d for d in rows if d.quant == "none" and d.sparse == "off"
+                 and (d.attention_impl, d.context) == (r.attention_impl, r.context)]
+        vs_dense = f"{dense[0].decode_ms / r.decode_ms:.2f}x" if dense else "n/a"
+        peak = "n/a" if r.peak_bytes is None else f"{r.peak_bytes / 1e9:.1f}"
+        line = (f"| {r.shape} | {r.attention_impl} | {r.quant} | {r.sparse} | {r.batch_size} | {r.context} | "
+                f"{r.max_length} | {r.decode_ms:.3f} ({runs}) | {r.roofline_ms:.3f} | {r.pct_roofline:.1f}% | {vs_dense} | "
+                f"{pre} | {pct_pre:.1f}% | {r.cache_bytes / 1e9:.2f} | {peak} |")
+        for a in attns:
+            p = _peer_row(peer, a, r.context)
+            if p is None or not p["decode_ms_per_token"]:
+                why = "n/a" if p is None or not p["error"] else ("OOM" if "out of GPU memory" in p["error"] else "error")
+                line += f" {why} | n/a | n/a |"
+            else:
+                hf_ms = statistics.median(p["decode_ms_per_token"])
+                line += f" {hf_ms:.2f} | {hf_ms / r.decode_ms:.1f}x faster | {statistics.median(p['prefill_tok_s']):,.0f} |"
+        lines.append(line)
+    if peer:
+        lines += ["", f"HF peer: transformers {peer['transformers']}, torch {peer['torch']}, LlamaForCausalLM of the same "
+                      f"shape, bf16, batch 1, a bare greedy loop of one-token forwards with its default DynamicCache."]
+    return "\n".join(lines)
+
+
+def run_hf_peer(shape: str, contexts: list[int], decode_steps: int, attns: list[str], repeats: int) -> dict:
+    """Runs ``benchmarks.hf_peer`` in a subprocess (before this process takes the GPU)."""
+    cmd = [sys.executable, "-m", "benchmarks.hf_peer", "--shape", shape, "--contexts", ",".join(map(str, contexts)),
+           "--decode_steps", str(decode_steps), "--attn", ",".join(attns), "--repeats", str(repeats)]
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    print("  running the HF peer: " + " ".join(cmd[1:]), file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, env=env, text=True)
+    if proc.returncode != 0:
+        raise MiniCPMError(f"the HF peer failed (exit {proc.returncode}); its errors are above")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

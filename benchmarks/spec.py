@@ -1,0 +1,195 @@
+"""The ``spec`` scenario of ``python -m benchmarks``: EAGLE speculative decoding at a known accept
+length, random weights of the shape (target) and a random one-layer draft of the same layer shape.
+
+* plain — ``Engine`` decode, ms/token (the baseline every ratio uses; bf16 unless only int4 is asked).
+* verify — one target forward over an N-node tree (tree-attention kernel, logits of every node) against
+  one plain decode forward (1 token), both timed as chained calls inside one jit.
+* oracle — the speculative engine (``Engine`` with ``EagleSteps``) whose acceptance rule is
+  :func:`oracle_accept` (``--spec_oracle_accept K``): every round accepts the draft's best chain to depth
+  K-1 (so exactly K tokens a round, the work of a real round with that accept length); ms/token and the
+  speed-up over plain bf16 decode.
+* split — one round's parts timed alone: draft (catch-up of K pairs + tree expansion), verify, KV
+  compaction; "accept" is the rest of the measured round (target sampling over the tree, acceptance,
+  stop checks, bookkeeping).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks.timing import device_loop_time
+from minicpm_jax.config import DraftSpec, ModelConfig
+from minicpm_jax.engine.engine import Engine
+from minicpm_jax.engine.speculative.engine import EagleSteps
+from minicpm_jax.engine.speculative.rounds import (
+    AcceptRule, DraftTree, SpecConfig, SpecState, catch_up, compact_cache, expand_tree,
+)
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.model.draft import EagleDraft
+from minicpm_jax.quant import QuantSpec
+
+
+def oracle_accept(k: int, spec: SpecConfig) -> AcceptRule:
+    """The benchmark's acceptance rule: every round accepts the draft's best chain down to depth ``k - 1``
+    (the deepest node of depth < k with the best draft score, and its ancestors) whatever the tokens, so
+    a round costs exactly what a real round with accept length ``k`` costs; the emitted tokens are the
+    target's along that chain."""
+    if not 1 <= k <= spec.max_accept:
+        raise MiniCPMError(f"--spec_oracle_accept must be in 1..{spec.max_accept} (spec_num_iter + 1), got {k}")
+
+    def rule(tree: DraftTree, target, stored):
+        del target, stored
+        best = jnp.argmax(jnp.where(tree.depth <= k - 1, tree.depth * 1e6 + tree.score, -jnp.inf), axis=1)
+        n = tree.tokens.shape[1]
+        return jnp.take_along_axis(tree.mask, best[:, None, None], axis=1)[:, 0] | (jnp.arange(n) == 0)
+
+    return rule
+
+
+def _random_tree(n: int, topk: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Depths and ancestor masks of an n-node tree shaped like EAGLE's (root with ``topk`` children,
+    deeper nodes under the first ones)."""
+    parent = [0] + [0 if i <= topk else 1 + (i - topk - 1) % topk for i in range(1, n)]
+    depth, mask = np.zeros(n, np.int32), np.eye(n, dtype=bool)
+    for i in range(1, n):
+        depth[i] = depth[parent[i]] + 1
+        mask[i] |= mask[parent[i]]
+    return depth, mask
+
+
+def _ms(times: list[float]) -> float:
+    return 1e3 * statistics.median(times)
+
+
+def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], oracle_accepts: list[int],
+                      quants: list[str], group_size: int, dtype, decode_steps: int, repeats: int, make_model,
+                      oracle_tree_size: int = 32, frspec_vocab: int = 32768) -> dict:
+    """All rows of the scenario (see the module doc) at one context length, batch 1. Oracle rounds use
+    ``oracle_tree_size`` nodes and an FR-Spec draft head of ``frspec_vocab`` ids (0 = the full vocabulary),
+    CPM.cu's default.
+
+    make_model(config, max_length, dtype, quant=QuantSpec|None): the random target (``shapes.random_model``)."""
+    max_length = context + decode_steps + 128
+    prompt = list(np.random.default_rng(0).integers(0, config.vocab_size, context))
+    out: dict = {"context": context, "rows": []}
+    plain_bf16 = None
+    for quant in sorted(quants, key=lambda q: q != "none"):  # the dense baseline first, whatever the flag order
+        spec_q = QuantSpec(group_size=group_size) if quant == "int4" else None
+        model = make_model(config, max_length, dtype, quant=spec_q)
+        draft = EagleDraft(DraftSpec.for_target(config), max_length=max_length, attention_impl=model.attention_impl,
+                           dtype=dtype, rngs=nnx.Rngs(1))
+        # Plain decode through the engine.
+        engine = Engine(model, batch_size=1, chunk_length=1024, decode_block=32)
+        engine.generate([prompt], max_new_tokens=decode_steps)
+        plain = []
+        for _ in range(repeats):
+            _, st = engine.generate([prompt], max_new_tokens=decode_steps)
+            plain.append(st.decode_time / st.decode_tokens)
+        if plain_bf16 is None:  # dense weights, or int4 when only int4 is asked
+            plain_bf16 = _ms(plain)
+        row = {"quant": quant, "plain_ms_per_token": [1e3 * t for t in plain]}
+        print(f"  spec {quant}: plain {row['plain_ms_per_token']} ms/token", file=sys.stderr)
+
+        # Verify forward vs plain decode forward, chained in one jit.
+        gd, state = nnx.split(model)
+        cache = model.new_cache(1)
+        _, _, cache = model(jnp.asarray([prompt[:1024]]), cache)
+        cache = dataclasses.replace(cache, lengths=jnp.asarray([context], jnp.int32))  # stale K/V: cost only
+
+        def step(state, cache, tokens, depth=None, mask=None):
+            m = nnx.merge(gd, state)
+            tree = None if depth is None else (depth, mask)
+            logits, _, _ = m(tokens, cache, tree=tree)
+            return logits
+
+        one = device_loop_time(lambda s, c, t: step(s, c, t), (state, cache, jnp.zeros((1, 1), jnp.int32)), iters=20,
+                               repeats=repeats)
+        row["decode_forward_ms"] = [1e3 * t for t in one]
+        row["verify"] = []
+        for n in tree_sizes:
+            depth, mask = _random_tree(n, 10)
+            args = (state, cache, jnp.zeros((1, n), jnp.int32), jnp.asarray(depth[None]), jnp.asarray(mask[None]))
+            t = device_loop_time(step, args, iters=20, repeats=repeats, chain=2)
+            row["verify"].append({"tree_size": n, "ms": [1e3 * x for x in t], "vs_decode": _ms(t) / _ms(one)})
+            print(f"  spec {quant}: verify {n} nodes {row['verify'][-1]}", file=sys.stderr)
+
+        # Oracle rounds through the speculative engine, and the split of one round.
+        row["oracle"] = []
+        ids = np.arange(min(frspec_vocab, config.vocab_size), dtype=np.int32) if frspec_vocab else None
+        head = None if ids is None else model.head_rows(jnp.asarray(ids))
+        for k in oracle_accepts:
+            n = oracle_tree_size
+            spec = SpecConfig(num_iter=max(2, k - 1), topk_per_iter=10, tree_size=n)
+            steps = EagleSteps(model, draft, spec=spec, frspec_ids=ids, batch_size=1, decode_block=8,
+                               accept=oracle_accept(k, spec))
+            seng = Engine(model, batch_size=1, chunk_length=1024, decode_block=8, steps=steps)
+            seng.generate([prompt], max_new_tokens=decode_steps)
+            ms, acc = [], None
+            for _ in range(repeats):
+                _, st = seng.generate([prompt], max_new_tokens=decode_steps)
+                ms.append(1e3 * st.decode_time / st.decode_tokens)
+                acc = st.spec_summary()["mean_accept_length"]
+            dgd, dstate = nnx.split(draft)
+            a = spec.max_accept
+            st0 = SpecState(dcache=dataclasses.replace(draft.new_cache(1, max_length + spec.draft_slots + a),
+                                                       lengths=jnp.asarray([context], jnp.int32)),
+                            pend_tok=jnp.zeros((1, a), jnp.int32), pend_feat=jnp.zeros((1, a, draft.spec.feature_size), dtype),
+                            pend_n=jnp.asarray([k], jnp.int32), accepted=jnp.zeros((1, a + 1), jnp.int32))
+
+            def draft_part(state, dstate, pend_tok, st0=st0):
+                m, d = nnx.merge(gd, state), nnx.merge(dgd, dstate)
+                h, dc = catch_up(m, d, dataclasses.replace(st0, pend_tok=pend_tok), spec.window_size or None)
+                return expand_tree(m, d, dc, h, head_, ids_, spec, spec.window_size or None)
+
+            head_, ids_ = head, None if ids is None else jnp.asarray(ids)
+            t_draft = device_loop_time(draft_part, (state, dstate, st0.pend_tok), iters=20, repeats=repeats)
+            path = jnp.asarray([list(range(a))], jnp.int32)
+            t_compact = device_loop_time(
+                lambda c, p: compact_cache(c, c.lengths, p, jnp.asarray([k], jnp.int32)).k[0, 0, 0, :4],
+                (cache, path), iters=20, repeats=repeats)
+            verify_ms = next((v["ms"] for v in row["verify"] if v["tree_size"] == n), None)
+            if verify_ms is None:
+                depth, mask = _random_tree(n, 10)
+                verify_ms = [1e3 * x for x in device_loop_time(
+                    step, (state, cache, jnp.zeros((1, n), jnp.int32), jnp.asarray(depth[None]), jnp.asarray(mask[None])),
+                    iters=20, repeats=repeats, chain=2)]
+            round_ms = statistics.median(ms) * acc
+            split = {"draft": _ms(t_draft), "verify": statistics.median(verify_ms), "compact": _ms(t_compact)}
+            split["accept_and_rest"] = round_ms - sum(split.values())
+            row["oracle"].append({"accept": k, "tree_size": n, "num_iter": spec.num_iter, "frspec_vocab": frspec_vocab,
+                                  "ms_per_token": ms,
+                                  "mean_accept_length": acc, "round_ms": round_ms, "split_ms": split,
+                                  "speedup_vs_plain": _ms(plain) / statistics.median(ms),
+                                  "speedup_vs_plain_bf16": plain_bf16 / statistics.median(ms)})
+            print(f"  spec {quant}: oracle {row['oracle'][-1]}", file=sys.stderr)
+            del seng
+        out["rows"].append(row)
+        del engine, model, draft
+    out["plain_bf16_ms_per_token"] = plain_bf16
+    return out
+
+
+def spec_markdown(r: dict) -> str:
+    lines = [f"Speculative decoding (EAGLE-2 trees, batch 1, context {r['context']}, random weights; "
+             f"plain dense-weight decode {r['plain_bf16_ms_per_token']:.3f} ms/token)", "",
+             "| weights | tree | verify ms | plain decode fwd ms | verify / decode |", "|---|---|---|---|---|"]
+    for row in r["rows"]:
+        for v in row["verify"]:
+            lines.append(f"| {row['quant']} | {v['tree_size']} | {statistics.median(v['ms']):.3f} | "
+                         f"{statistics.median(row['decode_forward_ms']):.3f} | {v['vs_decode']:.2f}x |")
+    lines += ["", "| weights | oracle accept | tree (FR-Spec ids) | ms/token | plain ms/token | speed-up | vs plain dense | "
+                  "round ms: draft / verify / compact / accept+rest |", "|---|---|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        for o in row["oracle"]:
+            s = o["split_ms"]
+            lines.append(f"| {row['quant']} | {o['mean_accept_length']:.2f} | {o['tree_size']} ({o['frspec_vocab'] or 'all'}) | "
+                         f"{statistics.median(o['ms_per_token']):.3f} | {statistics.median(row['plain_ms_per_token']):.3f} | "
+                         f"{o['speedup_vs_plain']:.2f}x | {o['speedup_vs_plain_bf16']:.2f}x | {o['round_ms']:.2f}: "
+                         f"{s['draft']:.2f} / {s['verify']:.2f} / {s['compact']:.3f} / {s['accept_and_rest']:.2f} |")
+    return "\n".join(lines)

@@ -1,0 +1,95 @@
+"""Timing of µs-scale device work: many calls inside one jit, so dispatch (~40 µs a call) is not timed.
+
+Two clocks: :func:`device_loop_time` (wall time of the jitted loop: kernels and the gaps between them) and
+:func:`loop_kernel_time` (the GPU kernels' own durations, from a ``jax.profiler`` trace of the same loop).
+The second exists because a ``lax.fori_loop`` recorded as a CUDA graph runs short Pallas kernels with gaps
+that the engine's decode loop does not show (docs/lab_notes, 2026-11-23 H200 session), so for chains of
+µs-scale kernels the two can differ by machine.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def device_loop_time(fn, args: tuple, *, iters: int, repeats: int = 2, chain: int = -1) -> list[float]:
+    """Seconds per ``fn(*args)``, measured as ``iters`` calls in one ``lax.fori_loop``, for each of
+    ``repeats`` timed runs (after one warm-up run).
+
+    ``fn`` may return a pytree (e.g. a list of per-layer calls); all of it is kept live. Each call depends
+    on the previous one (``args[chain]``, an integer array, is offset by a value that
+    is 0 unless the previous output holds a NaN), so XLA can neither hoist the call out of the loop nor
+    run the iterations concurrently.
+    """
+    return loop_time(device_loop(fn, args, iters=iters, chain=chain), args, iters=iters, repeats=repeats)
+
+
+def loop_time(run, args: tuple, *, iters: int, repeats: int = 2) -> list[float]:
+    """:func:`device_loop_time` of an already built :func:`device_loop` ``run`` of ``iters`` calls."""
+    jax.block_until_ready(run(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(run(*args))
+        times.append((time.perf_counter() - t) / iters)
+    return times
+
+
+def device_loop(fn, args: tuple, *, iters: int, chain: int = -1):
+    """The jitted loop :func:`device_loop_time` runs: ``iters`` chained calls of ``fn(*args)``."""
+    chain = chain % len(args)
+
+    def loop(*a):
+        def body(_, carry):
+            a_i = list(a)
+            a_i[chain] = a[chain] + carry
+            out = fn(*a_i)
+            # One element of every output leaf, so no call in fn is dead code.
+            probe = sum(jnp.ravel(leaf)[0].astype(jnp.float32) for leaf in jax.tree.leaves(out))
+            return jnp.where(jnp.isnan(probe), 1, 0).astype(a[chain].dtype)
+
+        return lax.fori_loop(0, iters, body, jnp.zeros((), a[chain].dtype))
+
+    return jax.jit(loop)
+
+
+def loop_kernel_time(run, args: tuple, *, iters: int) -> float | None:
+    """Seconds of GPU kernel time per call of a :func:`device_loop` ``run`` of ``iters`` calls: every
+    kernel the loop runs (its own small fusions included), summed from a ``jax.profiler`` trace of one
+    run and divided by ``iters``. None where the trace has no GPU kernels (the CPU)."""
+    jax.block_until_ready(run(*args))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            jax.block_until_ready(run(*args))
+        finally:
+            jax.profiler.stop_trace()
+        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            return None
+        per_kernel = kernel_seconds(jax.profiler.ProfileData.from_file(files[0]).planes)
+    return sum(per_kernel.values()) / iters if per_kernel else None
+
+
+def kernel_seconds(planes) -> dict[str, float]:
+    """Seconds by kernel name of the events on the GPU planes' stream lines of a profile (``ProfileData
+    .planes``); the ``__N`` suffix XLA gives each launch site of one kernel is dropped."""
+    out: dict[str, float] = {}
+    for plane in planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "Stream" not in line.name:
+                continue
+            for event in line.events:
+                name = re.sub(r"__\d+$", "", event.name)
+                out[name] = out.get(name, 0.0) + event.duration_ns * 1e-9
+    return out

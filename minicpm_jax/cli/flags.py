@@ -1,0 +1,188 @@
+"""Flags shared by ``minicpm_jax.run``, ``.server`` and ``.perplexity`` (the "model", "speculative" and
+"system" groups), the loader and engine factory that read them, and the one-line descriptions of what was
+loaded."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from absl import flags
+
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.model.attention import ATTENTION_CHOICES
+
+FLAGS = flags.FLAGS
+_M, _S, _SP = "model", "system", "speculative"
+
+flags.DEFINE_string("model_path", None, "HF model directory or native (converted) directory; omitted: the "
+                    "SmolLM2 demo model.", module_name=_M)
+flags.DEFINE_enum("dtype", "auto", ["auto", "bfloat16", "float16", "float32"],
+                  "Weight/activation dtype; auto = bfloat16 on GPU, float32 on CPU.", module_name=_M)
+flags.DEFINE_enum("attention_impl", "auto", list(ATTENTION_CHOICES),
+                  "Kernel backend of every op (attention, KV writes, the int4 matmul, InfLLM-v2): pallas = the Pallas "
+                  "kernels (attention reads only the valid cache), xla = the plain-jnp references; auto = pallas on "
+                  "GPU, xla on CPU.", module_name=_M)
+flags.DEFINE_enum("quant", "auto", ["auto", "none", "int4"],
+                  "Decoder-linear weights: auto = as the checkpoint stores them (GPTQ / marlin-cpmcu / native int4 "
+                  "stay int4), none = dequantize an int4 checkpoint, int4 = round-to-nearest W4A16 of a dense "
+                  "checkpoint at load time. Embeddings, norms and lm_head always stay in --dtype.", module_name=_M)
+flags.DEFINE_integer("quant_group_size", 128, "Scale group size (input rows) for --quant int4 on a dense checkpoint; "
+                     "-1 = per-channel.", module_name=_M)
+flags.DEFINE_enum("sparse", "auto", ["auto", "on", "off"],
+                  "InfLLM-v2 sparse attention: auto = as the checkpoint's sparse_config says, on = that or MiniCPM4's "
+                  "defaults (block 64, topk 64, window 2048, dense_len 8192), off = dense attention.", module_name=_M)
+flags.DEFINE_integer("sparse_topk", None, "Sparse: top-k blocks per query besides the local window (sparse_config "
+                     "topk).", module_name=_M)
+flags.DEFINE_integer("sparse_window", None, "Sparse: local window in tokens, always attended (sparse_config "
+                     "window_size).", module_name=_M)
+flags.DEFINE_integer("dense_len", None, "Sparse: sequences shorter than this attend densely (sparse_config "
+                     "dense_len).", module_name=_M)
+flags.DEFINE_integer("max_length", 2048, "Static KV-cache length: prompt plus generated tokens.", module_name=_M)
+flags.DEFINE_integer("chunk_length", 512, "Prefill chunk length (one compiled shape).", module_name=_M)
+flags.DEFINE_integer("decode_block", 16, "Decode steps per host round trip (streaming granularity).", module_name=_M)
+
+flags.DEFINE_string("draft_path", None, "EAGLE-1/2 draft directory (CPM.cu MiniCPM4 EAGLE or SafeAILab Llama EAGLE "
+                    "format): decode with speculative trees. Omitted: plain decoding.", module_name=_SP)
+flags.DEFINE_integer("spec_num_iter", 2, "Draft steps per round = deepest tree level (up to num_iter + 1 tokens per "
+                     "round).", module_name=_SP)
+flags.DEFINE_integer("spec_topk_per_iter", 10, "Children per expanded draft node and frontier width.", module_name=_SP)
+flags.DEFINE_integer("spec_tree_size", 12, "Tree nodes verified per round, root included (<= 64).", module_name=_SP)
+flags.DEFINE_integer("spec_window_size", 1024, "Committed tokens the draft attends to during rounds (0 = all).",
+                     module_name=_SP)
+flags.DEFINE_string("frspec_path", None, "FR-Spec index: CPM.cu freq_<V>.pt, a .npy or a text file of token ids, or "
+                    "a directory holding freq_<--frspec_vocab_size>.pt.", module_name=_SP)
+flags.DEFINE_integer("frspec_vocab_size", 32768, "FR-Spec: keep this many most frequent ids (and pick the file in a "
+                     "directory).", module_name=_SP)
+
+
+flags.DEFINE_boolean("compilation_cache", True, "Persistent JAX compilation cache in $MINICPM_JAX_CACHE/jax_cache.",
+                     module_name=_S)
+flags.DEFINE_boolean("xla_command_buffers", True, "Let XLA record the decode loop (while/conditional bodies "
+                     "included) into CUDA graphs (adds --xla_gpu_enable_command_buffer to XLA_FLAGS unless set there).",
+                     module_name=_S)
+
+
+def fail(message: str) -> None:
+    """Ends a command-line program with a one-line error (no traceback) and exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def validate_model_flags() -> None:
+    """Checks the model flags before anything heavy happens; raises MiniCPMError."""
+    for name in ("max_length", "chunk_length", "decode_block"):
+        if getattr(FLAGS, name) < 1:
+            raise MiniCPMError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+    if FLAGS.draft_path is not None:
+        if not os.path.isdir(FLAGS.draft_path):
+            raise MiniCPMError(f"--draft_path {FLAGS.draft_path!r} is not a directory")
+        spec_config_from_flags()
+    if FLAGS.frspec_path is not None:
+        if FLAGS.draft_path is None:
+            raise MiniCPMError("--frspec_path needs --draft_path (FR-Spec restricts the draft's vocabulary)")
+        if not os.path.exists(FLAGS.frspec_path):
+            raise MiniCPMError(f"--frspec_path {FLAGS.frspec_path!r} does not exist")
+        if FLAGS.frspec_vocab_size < 1:
+            raise MiniCPMError(f"--frspec_vocab_size must be >= 1, got {FLAGS.frspec_vocab_size}")
+    for name, field, low in (("sparse_topk", "topk", 1), ("dense_len", "dense_len", 1), ("sparse_window", "window_size", 0)):
+        val = getattr(FLAGS, name)
+        if val is not None and val < low:
+            raise MiniCPMError(f"--{name}: sparse {field} must be >= {low}, got {val}")
+
+
+def apply_system_flags() -> None:
+    """The system flags: XLA command buffers (before JAX starts) and the compilation cache."""
+    from minicpm_jax.cli.system import enable_command_buffers, enable_compilation_cache
+
+    if FLAGS.xla_command_buffers:
+        enable_command_buffers()
+    if FLAGS.compilation_cache:
+        enable_compilation_cache()
+
+
+def weights_description(model) -> str:
+    """``"dense"`` or e.g. ``"int4 g128 sym kpacked"`` (JSON output, server banner)."""
+    q = model.quant
+    if q is None:
+        return "dense"
+    group = "per-channel" if q.group_size == -1 else f"g{q.group_size}"
+    return f"int4 {group} {'sym' if q.sym else 'asym'}{' act-order' if q.act_order else ''} kpacked"
+
+
+def sparse_description(model) -> str:
+    """``"off"`` or e.g. ``"topk 64 + window 2048 (96 blocks of 64) from 8192 tokens"`` (JSON, banner)."""
+    s = model.sparse
+    if s is None:
+        return "off"
+    text = (f"topk {s.topk} + window {s.window_size} ({s.num_selected} blocks of {s.block_size}) "
+            f"from {s.dense_len} tokens")
+    return text if model.sparse_active else f"{text}, inactive: max_length {model.max_length} < dense_len"
+
+
+def speculative_description(engine) -> str:
+    """``"off"`` or e.g. ``"minicpm EAGLE draft, tree 12 (2 steps x top-10), window 1024, FR-Spec 32768"``."""
+    spec = getattr(engine, "spec", None)
+    if spec is None:
+        return "off"
+    ids = engine.frspec_ids
+    vocab = ("own vocabulary " + str(engine.draft.spec.draft_vocab) if engine.draft.own_head else
+             f"FR-Spec {ids.shape[0]}" if ids is not None else "full vocabulary")
+    return (f"{engine.draft.spec.kind} EAGLE draft, tree {spec.tree_size} ({spec.num_iter} steps x top-"
+            f"{spec.topk_per_iter}), window {spec.window_size or 'all'}, {vocab}")
+
+
+def load_from_flags(*, progress: bool = True):
+    """Loads what the model flags name: returns (model_path, model, tokenizer, load seconds).
+
+    Without --model_path the SmolLM2 demo model is prepared (converted once) and used.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from minicpm_jax.cli.demo import ensure_demo_model
+    from minicpm_jax.model.loading import load_model
+    from minicpm_jax.tokenizer import load_tokenizer
+
+    model_path = FLAGS.model_path or ensure_demo_model(progress=progress)
+    dtype = FLAGS.dtype
+    if dtype == "auto":
+        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    t0 = time.perf_counter()
+    model = load_model(model_path, dtype=jnp.dtype(dtype), max_length=FLAGS.max_length,
+                       attention_impl=FLAGS.attention_impl, quant=FLAGS.quant, group_size=FLAGS.quant_group_size,
+                       sparse=FLAGS.sparse, sparse_overrides=dict(topk=FLAGS.sparse_topk, window_size=FLAGS.sparse_window,
+                                                                  dense_len=FLAGS.dense_len))
+    tokenizer = load_tokenizer(model_path)
+    return model_path, model, tokenizer, time.perf_counter() - t0
+
+
+def spec_config_from_flags():
+    """The speculative tree settings of the flags (checked)."""
+    from minicpm_jax.engine.speculative.rounds import SpecConfig
+
+    return SpecConfig(num_iter=FLAGS.spec_num_iter, topk_per_iter=FLAGS.spec_topk_per_iter,
+                      tree_size=FLAGS.spec_tree_size, window_size=FLAGS.spec_window_size).check()
+
+
+def make_engine(model, *, batch_size: int):
+    """A plain :class:`~minicpm_jax.engine.engine.Engine`, or a speculative one when ``--draft_path`` is
+    given (the draft loaded for ``model``, with the FR-Spec subset of ``--frspec_path``)."""
+    from minicpm_jax.engine.engine import Engine
+
+    if FLAGS.draft_path is None:
+        return Engine(model, batch_size=batch_size, chunk_length=FLAGS.chunk_length, decode_block=FLAGS.decode_block)
+    from minicpm_jax.engine.speculative.engine import SpeculativeEngine
+    from minicpm_jax.io.frspec import read_frspec
+    from minicpm_jax.model.loading import load_draft
+
+    draft = load_draft(FLAGS.draft_path, model.config, max_length=model.max_length,
+                       attention_impl=model.attention_impl, dtype=model.dtype)
+    ids = None
+    if FLAGS.frspec_path is not None:
+        ids = read_frspec(FLAGS.frspec_path, model.config.vocab_size, FLAGS.frspec_vocab_size)
+    # decode_block counts rounds here: keep about the same tokens per host round trip.
+    rounds = max(1, FLAGS.decode_block // max(1, FLAGS.spec_num_iter))
+    return SpeculativeEngine(model, draft, spec=spec_config_from_flags(), frspec_ids=ids, batch_size=batch_size,
+                             chunk_length=FLAGS.chunk_length, decode_block=rounds)

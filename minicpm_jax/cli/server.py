@@ -1,0 +1,408 @@
+"""OpenAI-compatible HTTP server: ``python -m minicpm_jax.server --model_path DIR --port 8000``.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream`` as server-sent
+events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``. Requests are validated by
+pydantic schemas (FastAPI); errors come back as OpenAI-style ``{"error": {...}}`` objects with 400
+(invalid request), 401 (API key), 404, 413 (body too large) or 429 (queue full, with Retry-After).
+Generation runs on the continuous-batching :class:`~minicpm_jax.engine.scheduler.Scheduler`: requests share the
+engine's ``--max_batch_size`` slots and a finished or disconnected request frees its slot at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+import uuid
+from typing import Literal
+
+from absl import app, flags
+from fastapi import Request as HTTPRequest  # module level: FastAPI resolves the string annotations here
+from pydantic import BaseModel, ConfigDict, Field
+
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.cli.flags import (
+    apply_system_flags, fail, load_from_flags, sparse_description, validate_model_flags, weights_description,
+)
+
+FLAGS = flags.FLAGS
+_H = "server"
+flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0 for every interface).", module_name=_H)
+flags.DEFINE_integer("port", 8000, "TCP port.", module_name=_H)
+flags.DEFINE_integer("max_batch_size", 8, "Sequences generated together (static engine slots).", module_name=_H)
+flags.DEFINE_integer("max_queue", 64, "Requests that may wait for a slot; more get 429.", module_name=_H)
+flags.DEFINE_string("api_key", None, "If set, requests need 'Authorization: Bearer KEY' (401 otherwise).",
+                    module_name=_H)
+flags.DEFINE_string("served_model_name", None, "Model id in the API (default: the model directory's name).",
+                    module_name=_H)
+flags.DEFINE_integer("max_body_bytes", 1 << 20, "Largest request body accepted (413 beyond).", module_name=_H)
+
+RETRY_AFTER_S = 1
+
+
+# ----------------------------------------------------------------------------- request schemas
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="allow")  # clients send many optional OpenAI fields; unknown ones are ignored
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(_Schema):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=1 << 20, description="extension: sample among the k most likely tokens; 0 = off")
+    seed: int | None = Field(None, ge=0, lt=2**32)
+    stop: str | list[str] | None = Field(None, description="up to 4 strings, matched on the text")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str]
+
+
+# ----------------------------------------------------------------------------- errors
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+
+
+def error_body(message: str, type_: str, param: str | None = None, code=None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for bodies over ``limit`` bytes (by Content-Length, or counted while read)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self._reject(send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send):
+        body = json.dumps(error_body(f"request body is larger than {self.limit} bytes", "invalid_request_error")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+# ----------------------------------------------------------------------------- the app
+class Generation:
+    """Bridges one scheduler request to asyncio: text deltas and the finish arrive on a queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, tokenizer, stops: list[str]):
+        from minicpm_jax.tokenizer import TextStream
+
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.text = TextStream(tokenizer, stops, emit=lambda s: self._put(("text", s)))
+
+    def _put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+    def on_tokens(self, ids: list[int]) -> bool:
+        return self.text.push(ids)
+
+    def on_finish(self, reason: str, error: str | None) -> None:
+        self.text.finish()  # flushes the last token's text
+        self._put(("finish", reason, error))
+
+
+def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], api_key: str | None = None,
+               max_body_bytes: int = 1 << 20):
+    """The FastAPI application serving ``scheduler`` (already started)."""
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    from minicpm_jax.engine.sampling import SamplingParams
+    from minicpm_jax.engine.scheduler import QueueFull, Request
+    from minicpm_jax.tokenizer import encode_prompt
+
+    api = FastAPI(title="minicpm-jax", version="1", description=__doc__.split("\n\n")[0])
+    max_length = scheduler.engine.max_length
+    created = int(time.time())
+
+    @api.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return JSONResponse(error_body(e.message, e.type, e.param), status_code=e.status, headers=e.headers)
+
+    @api.exception_handler(RequestValidationError)
+    async def _invalid(_, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message = "the request body is not valid JSON"
+        elif where:
+            message = f"{where}: {message}"
+        return JSONResponse(error_body(message, "invalid_request_error", where), status_code=400)
+
+    @api.exception_handler(404)
+    async def _not_found(request, _):
+        return JSONResponse(error_body(f"no route {request.url.path}", "invalid_request_error"), status_code=404)
+
+    @api.exception_handler(405)
+    async def _bad_method(request, _):
+        return JSONResponse(error_body(f"{request.method} is not allowed on {request.url.path}", "invalid_request_error"),
+                            status_code=405)
+
+    @api.middleware("http")
+    async def _auth(request: HTTPRequest, call_next):
+        if api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return JSONResponse(error_body("missing or wrong API key (Authorization: Bearer KEY)",
+                                               "authentication_error"), status_code=401)
+        return await call_next(request)
+
+    @api.get("/health")
+    async def health():
+        return {"status": "ok", "active": scheduler.active, "queued": scheduler.queued,
+                "completed": scheduler.completed, "finished": dict(scheduler.finished),
+                "generated_tokens": scheduler.generated_tokens}
+
+    @api.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "minicpm-jax", "max_model_len": max_length}]}
+
+    def _prepare(body: _Sampling, ids: list[int], max_tokens: int | None):
+        if len(ids) >= max_length:
+            raise APIError(400, f"the prompt has {len(ids)} tokens but the context is {max_length} tokens; "
+                                "shorten it", param="messages")
+        room = max_length - len(ids)
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"max_tokens {max_tokens} is above the context: the prompt has {len(ids)} tokens "
+                                f"and the context is {max_length}, so at most {room} can be generated",
+                           param="max_tokens")
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise APIError(400, "stop takes at most 4 non-empty strings", param="stop")
+        seed = body.seed if body.seed is not None else uuid.uuid4().int % (2**32)
+        try:
+            sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed)
+        except MiniCPMError as e:
+            raise APIError(400, str(e)) from None
+        return stops, sampling, max_tokens or room
+
+    async def _run(body: _Sampling, ids: list[int], max_tokens: int | None, http: HTTPRequest, kind: str):
+        stops, sampling, budget = _prepare(body, ids, max_tokens)
+        gen = Generation(asyncio.get_running_loop(), tokenizer, stops)
+        req = Request(ids, sampling, budget, stop_ids, gen.on_tokens, gen.on_finish)
+        try:
+            scheduler.submit(req)
+        except QueueFull as e:
+            raise APIError(429, f"server busy: {e}; retry later", type_="rate_limit_error",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except MiniCPMError as e:
+            raise APIError(400, str(e)) from None
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(req.output),
+                         "total_tokens": len(ids) + len(req.output)}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_stream(gen, req, rid, kind, usage, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        text, finish = [], None
+        try:
+            while finish is None:
+                try:
+                    event = await asyncio.wait_for(gen.events.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        scheduler.cancel(req)
+                        return JSONResponse({}, status_code=499)
+                    continue
+                if event[0] == "text":
+                    text.append(event[1])
+                else:
+                    finish, error = event[1], event[2]
+        except asyncio.CancelledError:
+            scheduler.cancel(req)
+            raise
+        if finish == "error":
+            raise APIError(500, f"generation failed: {error}", type_="server_error")
+        content = "".join(text)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}
+                  if kind == "chat" else {"index": 0, "text": content, "finish_reason": finish, "logprobs": None})
+        return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": int(time.time()), "model": model_name, "choices": [choice], "usage": usage()}
+
+    async def _stream(gen: Generation, req, rid: str, kind: str, usage, include_usage: bool):
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
+            if kind == "chat":
+                d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta is not None else {})
+                choice = {"index": 0, "delta": d, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            payload = {"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": [choice]}
+            if include_usage:
+                payload["usage"] = None
+            return f"data: {json.dumps(payload)}\n\n"
+
+        try:
+            if kind == "chat":
+                yield chunk(None, None, first=True)
+            while True:
+                event = await gen.events.get()
+                if event[0] == "text":
+                    yield chunk(event[1], None)
+                    continue
+                reason, error = event[1], event[2]
+                if reason == "error":
+                    yield f"data: {json.dumps(error_body(f'generation failed: {error}', 'server_error'))}\n\n"
+                else:
+                    yield chunk(None, reason)
+                    if include_usage:
+                        yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': int(time.time()), 'model': model_name, 'choices': [], 'usage': usage()})}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+        finally:  # the client went away mid-stream (or the stream ended): the slot is freed either way
+            scheduler.cancel(req)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
+        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
+                     else "".join(p.text for p in m.content)} for m in body.messages]
+        try:
+            ids = encode_prompt(tokenizer, messages=messages, use_chat_template=True)
+        except Exception as e:
+            raise APIError(400, f"cannot apply the chat template to these messages: {e}", param="messages") from None
+        return await _run(body, ids, body.max_completion_tokens or body.max_tokens, http, "chat")
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if len(prompts) != 1:
+            raise APIError(400, "prompt must be one string (batched prompts are not supported)", param="prompt")
+        ids = encode_prompt(tokenizer, prompts[0], use_chat_template=False)
+        if not ids:
+            raise APIError(400, "prompt is empty", param="prompt")
+        return await _run(body, ids, body.max_tokens, http, "completion")
+
+    return BodyLimit(api, max_body_bytes)
+
+
+def main(argv) -> None:
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)
+    if len(argv) > 1:
+        fail(f"unexpected arguments {' '.join(argv[1:])!r}")
+    try:
+        _serve()
+    except MiniCPMError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        pass
+
+
+def _serve() -> None:
+    import uvicorn
+
+    from minicpm_jax.engine.engine import Engine
+    from minicpm_jax.engine.scheduler import Scheduler
+    from minicpm_jax.tokenizer import stop_token_ids
+
+    validate_model_flags()
+    if FLAGS.draft_path is not None:
+        raise MiniCPMError("the server does not run speculative decoding yet (its continuous batching uses plain "
+                           "decode steps); drop --draft_path, or use `python -m minicpm_jax.run --draft_path ...`")
+    for name in ("max_batch_size", "max_body_bytes"):
+        if getattr(FLAGS, name) < 1:
+            raise MiniCPMError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+    if FLAGS.max_queue < 0 or not 0 < FLAGS.port < 65536:
+        raise MiniCPMError("--max_queue must be >= 0 and --port in 1..65535")
+    apply_system_flags()
+    model_path, model, tokenizer, load_s = load_from_flags(progress=True)
+    engine = Engine(model, batch_size=FLAGS.max_batch_size, chunk_length=FLAGS.chunk_length,
+                    decode_block=FLAGS.decode_block)
+    scheduler = Scheduler(engine, max_queue=FLAGS.max_queue)
+    stops = stop_token_ids(model.config, tokenizer, model_path)
+    t = time.perf_counter()
+    _warm_up(scheduler, tokenizer, stops)
+    name = FLAGS.served_model_name or os.path.basename(os.path.normpath(model_path))
+    print(f"minicpm-jax: {name} loaded in {load_s:.1f} s, compiled in {time.perf_counter() - t:.1f} s; "
+          f"{FLAGS.max_batch_size} slots × {FLAGS.max_length} tokens ({model.attention_impl} attention, "
+          f"{weights_description(model)} weights, sparse attention {sparse_description(model)}); "
+          f"serving on http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
+    scheduler.start()
+    application = create_app(scheduler, tokenizer, model_name=name, stop_ids=stops, api_key=FLAGS.api_key,
+                             max_body_bytes=FLAGS.max_body_bytes)
+    try:
+        uvicorn.run(application, host=FLAGS.host, port=FLAGS.port, log_level="warning", timeout_graceful_shutdown=2)
+    finally:
+        scheduler.stop()
+
+
+def _warm_up(scheduler, tokenizer, stops: list[int]) -> None:
+    """Compiles the prefill, first-token and decode steps before the first request arrives."""
+    from minicpm_jax.engine.sampling import SamplingParams
+    from minicpm_jax.engine.scheduler import Request
+    from minicpm_jax.tokenizer import encode_prompt
+
+    ids = encode_prompt(tokenizer, "Hello", use_chat_template=False) or [0]
+    done = []
+    req = Request(ids, SamplingParams(), 2, stops, lambda _: False, lambda reason, error: done.append(error))
+    scheduler.submit(req)
+    while not done:
+        scheduler.step()
+    if done[0]:
+        raise MiniCPMError(f"warm-up generation failed: {done[0]}")
+
+
+def run() -> None:
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,353 @@
+"""Generation over one model and one static cache: chunked prefill, the first token, on-device decode
+blocks, and ``generate`` on top of them.
+
+Data path: prompt ids → :meth:`Engine.prefill` runs fixed-size chunks (one compiled shape; the last chunk
+padded) → :meth:`Engine.first_token` samples on device → :meth:`Engine.decode` runs a block of steps per
+host round trip inside one jit (``lax.while_loop``, cache donated), stopping rows on stop ids / token
+budget / full cache on device. :meth:`Engine.generate` streams each block to the caller and dispatches the
+next block before reading the current one, so host work overlaps device work. The device programs are a
+step set (:class:`~minicpm_jax.engine.steps.PlainSteps`, or a speculative one); the scheduler drives the
+same public methods.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from minicpm_jax.engine.sampling import SamplingParams, row_key, sampling_kind
+from minicpm_jax.engine.steps import PlainSteps, PrefillChunk
+from minicpm_jax.engine.stops import FINISH_NAMES, FINISH_STOP, DecodeState, stop_table
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.infllm.policy import attention_mode
+from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
+
+MIN_CHUNK = 32  # smallest prefill chunk shape
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """One sequence's output: generated ids (stop token included) and why it ended ('stop'/'length')."""
+
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """Timings of one ``generate`` call (seconds; token counts summed over the batch)."""
+
+    prefill_tokens: int = 0
+    prefill_time: float = 0.0
+    decode_tokens: int = 0
+    decode_time: float = 0.0
+    compile_time: float = 0.0  # spent compiling new shapes during the call (not in the times above)
+    spec_accepted: list[int] | None = None  # speculative decoding: rounds that emitted 0, 1, 2 ... tokens
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_time if self.prefill_time > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_time if self.decode_time > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_time_s": self.prefill_time,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "decode_tokens": self.decode_tokens,
+            "decode_time_s": self.decode_time,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "compile_time_s": self.compile_time,
+            **(self.spec_summary() if self.spec_accepted is not None else {}),
+        }
+
+    def spec_summary(self) -> dict:
+        """Speculative rounds, mean accept length (tokens per round) and per-depth acceptance (fraction of
+        rounds whose draft was right at depth 1, 2, ...)."""
+        counts = np.asarray(self.spec_accepted, np.int64)
+        rounds = int(counts.sum())
+        lengths = np.arange(len(counts))
+        return {
+            "spec_rounds": rounds,
+            "mean_accept_length": float((counts * lengths).sum() / rounds) if rounds else 0.0,
+            "depth_acceptance": [float(counts[d + 1 :].sum() / rounds) if rounds else 0.0 for d in range(1, len(counts) - 1)],
+        }
+
+
+class Engine:
+    """Batched generation over one model and one static cache.
+
+    Args:
+      model: a loaded :class:`MiniCPMForCausalLM` (its ``max_length`` sizes the cache).
+      batch_size: static number of sequence slots.
+      chunk_length: prefill chunk size (one compiled shape).
+      decode_block: decode steps per host round trip.
+      steps: the device programs (default :class:`~minicpm_jax.engine.steps.PlainSteps` of ``model``); a
+        speculative engine passes its own (see :class:`~minicpm_jax.engine.speculative.engine.SpeculativeEngine`).
+    """
+
+    def __init__(self, model: MiniCPMForCausalLM, *, batch_size: int = 1, chunk_length: int = 256,
+                 decode_block: int = 16, steps=None):
+        if batch_size < 1 or chunk_length < 1 or decode_block < 1:
+            raise MiniCPMError("batch_size, chunk_length and decode_block must be positive")
+        self.model = model
+        self.config = model.config
+        self.max_length = model.max_length
+        self.batch_size = batch_size
+        self.chunk_length = min(chunk_length, self.max_length)
+        self.decode_block = decode_block
+        self.steps = steps or PlainSteps(model, decode_block=decode_block)
+        self.cache = model.new_cache(batch_size)
+        self.history: list[list[int]] = [[] for _ in range(batch_size)]  # tokens whose KV each row holds
+        self.sampling = "auto"  # static sampling path of the current generate call (see sampling_kind)
+
+    @property
+    def compile_time(self) -> float:
+        """Seconds spent compiling, over the engine's life."""
+        return self.steps.compile_time
+
+    # ---------------------------------------------------------------- the step API
+    def cache_lengths(self) -> list[int]:
+        return [int(x) for x in jax.device_get(self.cache.lengths)]
+
+    def reset(self, rows: Sequence[bool] | np.ndarray | None = None) -> None:
+        """Forgets every cached sequence, or those of the slots where ``rows[B]`` is True (buffers are not
+        cleared)."""
+        if rows is None:
+            self.cache = self.cache.reset()
+            self.history = [[] for _ in range(self.batch_size)]
+        else:
+            rows = np.asarray(rows, bool)
+            self.cache = self.cache.reset(jnp.asarray(rows))
+            self.history = [[] if r else h for h, r in zip(self.history, rows)]
+        self.steps.reset(rows)
+
+    def decode_state(self, samplings: list[SamplingParams], budgets: list[int], stops: list[list[int]]) -> DecodeState:
+        """Decode state for the first ``len(samplings)`` slots (their sampling, token budget and stop ids);
+        the remaining slots start finished."""
+        n, pad = len(samplings), self.batch_size - len(samplings)
+        samplings = samplings + [SamplingParams()] * pad
+        return DecodeState(
+            tok=jnp.zeros(self.batch_size, jnp.int32),
+            done=jnp.asarray(np.arange(self.batch_size) >= n),
+            finish=jnp.zeros(self.batch_size, jnp.int32),
+            n_gen=jnp.zeros(self.batch_size, jnp.int32),
+            max_new=jnp.asarray(list(budgets) + [1] * pad, jnp.int32),
+            keys=jnp.stack([row_key(s.seed) for s in samplings]),
+            temperature=jnp.asarray([s.temperature for s in samplings], jnp.float32),
+            top_k=jnp.asarray([s.top_k for s in samplings], jnp.int32),
+            top_p=jnp.asarray([s.top_p for s in samplings], jnp.float32),
+            stop_ids=jnp.asarray(stop_table(stops, self.batch_size)),
+        )
+
+    def prefill(self, rows: Sequence[Sequence[int]], on_progress: Callable[[int, int], None] | None = None) -> jax.Array:
+        """Appends ``rows[i]`` to slot i's cached tokens (empty rows are left as they are), chunk by chunk;
+        returns each slot's last-token logits ``f32[B, V]`` (zeros for empty rows).
+        ``on_progress(done_tokens, total_tokens)`` is called after each chunk (it synchronises)."""
+        rows = list(rows) + [[]] * (self.batch_size - len(rows))
+        total = max(len(r) for r in rows)
+        start = self.cache_lengths() if self.model.sparse_active else None
+        # Short prompts run in a smaller power-of-two chunk (few compiled shapes, little padding).
+        c = min(self.chunk_length, max(MIN_CHUNK, 1 << (total - 1).bit_length()))
+        logits = jnp.zeros((self.batch_size, self.config.vocab_size), jnp.float32)
+        for begin in range(0, total, c):
+            chunk = PrefillChunk.of(rows, begin, c, self.batch_size)
+            self.cache, logits = self.steps.prefill_chunk(self.cache, chunk, logits, self.chunk_mode(start, chunk))
+            if on_progress is not None:
+                logits.block_until_ready()
+                on_progress(min(begin + c, total), total)
+        return logits
+
+    def first_token(self, ds: DecodeState, logits: jax.Array, active: jax.Array, sampling: str = "auto") -> DecodeState:
+        """Samples each ``active`` slot's first token from its prefill ``logits``; ``sampling``: the static
+        sampling path (:func:`~minicpm_jax.engine.sampling.sampling_kind`)."""
+        return self.steps.first_token(self.cache, ds, logits, active, sampling)
+
+    def decode(self, ds: DecodeState, mode: str | None = None, sampling: str = "auto") -> tuple[DecodeState, jax.Array]:
+        """One decode block for the live slots; returns (state, tokens ``int32[B, N]``, -1 = none). Without
+        ``mode`` the attention mode comes from the lengths on device (one sync, sparse models only)."""
+        if mode is None:
+            mode = self.block_mode(ds)
+        self.cache, ds, tokens = self.steps.decode_block(self.cache, ds, mode, sampling)
+        return ds, tokens
+
+    # ---------------------------------------------------------------- attention modes (sparse models)
+    def attention_mode(self, lo: int, hi: int) -> str:
+        """Static attention mode for a step whose relevant rows reach ``lo``..``hi`` tokens."""
+        if not self.model.sparse_active:
+            return "dense"
+        return attention_mode(self.model.sparse.dense_len, lo, hi)
+
+    def block_mode(self, ds: DecodeState) -> str:
+        """Attention mode of a decode block, from the lengths on device (one sync when sparse)."""
+        if not self.model.sparse_active:
+            return "dense"
+        lengths, done = jax.device_get((self.cache.lengths, ds.done))
+        live = [int(n) for n, d in zip(lengths, done) if not d] or [0]
+        return self.attention_mode(min(live) + 1, max(live) + self.steps.tokens_per_block)
+
+    def chunk_mode(self, start: list[int] | None, chunk: PrefillChunk) -> str:
+        """Attention mode of a prefill chunk; ``start``: the rows' cached lengths before the prompt (None
+        when not sparse)."""
+        if start is None:
+            return "dense"
+        reach = [start[i] + chunk.begin + int(n) for i, n in enumerate(chunk.num_valid) if n]
+        return self.attention_mode(min(reach), max(reach))
+
+    # ---------------------------------------------------------------- generate
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        max_new_tokens: int | Sequence[int] = 256,
+        stop_token_ids: Sequence[int] | Sequence[Sequence[int]] = (),
+        reuse_prefix: bool = False,
+        on_tokens: Callable[[list[list[int]]], Sequence[int] | None] | None = None,
+        on_prefill: Callable[[int, int], None] | None = None,
+    ) -> tuple[list[GenerationResult], GenerationStats]:
+        """Generates a continuation of every prompt (one row each; at most ``batch_size``).
+
+        prompts: the full token ids per row. reuse_prefix: keep the cached KV of the longest common
+        prefix of each prompt with what the row already holds (multi-turn chat re-sends the whole
+        conversation; only the new tail is prefilled). stop_token_ids: shared list, or one list per row.
+        on_tokens(new_ids_per_row): called with each block of new tokens (list per row, maybe empty);
+        returning a list of row indices to stop early (e.g. a stop string matched) is allowed.
+        on_prefill(done_tokens, total_tokens): prefill progress (synchronises after each chunk).
+        Returns per-row results and the timing stats.
+        """
+        n = len(prompts)
+        if not 1 <= n <= self.batch_size:
+            raise MiniCPMError(f"generate takes 1..{self.batch_size} prompts (the engine's batch size), got {n}")
+        samplings = [sampling] * n if isinstance(sampling, SamplingParams) else list(sampling)
+        budgets = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if stop_token_ids and not isinstance(stop_token_ids[0], (list, tuple)):
+            stops = [list(stop_token_ids)] * n
+        else:
+            stops = [list(s) for s in stop_token_ids] or [[]] * n
+        if not (len(samplings) == len(budgets) == len(stops) == n):
+            raise MiniCPMError("sampling, max_new_tokens and stop_token_ids need one entry per prompt")
+        if any(b < 1 for b in budgets):
+            raise MiniCPMError(f"max_new_tokens must be >= 1, got {min(budgets)}")
+
+        if not reuse_prefix:
+            self.reset()
+        rows, start = [], []
+        for i, p in enumerate(prompts):
+            ids = [int(t) for t in p]
+            if not ids:
+                raise MiniCPMError("empty prompt: give at least one token")
+            if any(t < 0 or t >= self.config.vocab_size for t in ids):
+                raise MiniCPMError(f"prompt {i} has token ids outside the vocabulary [0, {self.config.vocab_size})")
+            if len(ids) >= self.max_length:
+                raise MiniCPMError(
+                    f"prompt {i} has {len(ids)} tokens but max_length is {self.max_length} (prompt plus generated "
+                    "tokens must fit); shorten the prompt or raise --max_length"
+                )
+            rows.append(ids)
+            start.append(self._common_prefix(i, ids))
+        if reuse_prefix:
+            self._truncate(start + [0] * (self.batch_size - n))
+        rows_new = [r[s:] for r, s in zip(rows, start)]
+
+        stats = GenerationStats(prefill_tokens=sum(len(r) for r in rows_new))
+        compile0 = self.compile_time
+        t0 = time.perf_counter()
+        logits = self.prefill(rows_new, on_prefill)
+        ds = self.decode_state(samplings, budgets, stops)
+        self.sampling = sampling_kind(samplings)
+        ds = self.first_token(ds, logits, ~ds.done, self.sampling)
+        first, done = jax.device_get((ds.tok, ds.done))
+        compile1 = self.compile_time
+        stats.prefill_time = time.perf_counter() - t0 - (compile1 - compile0)
+
+        outputs: list[list[int]] = [[int(first[i])] for i in range(n)]
+        host_done = [bool(done[i]) for i in range(n)]
+        ds = self._emit(on_tokens, [[t[0]] for t in outputs], host_done, ds)
+        t1 = time.perf_counter()
+        ds = self._decode_loop(ds, outputs, host_done, on_tokens)
+        stats.decode_time = time.perf_counter() - t1 - (self.compile_time - compile1)
+        stats.compile_time = self.compile_time - compile0
+        stats.decode_tokens = sum(len(o) - 1 for o in outputs)
+        accepted = self.steps.accepted()
+        stats.spec_accepted = None if accepted is None else [int(x) for x in accepted]
+
+        finish = jax.device_get(ds.finish)
+        results = [
+            GenerationResult(outputs[i], FINISH_NAMES.get(int(finish[i]), "stop"), len(rows[i])) for i in range(n)
+        ]
+        # The last sampled token is never cached; rows stopped by the host may have run ahead on device.
+        self.history[:n] = [r + o[:-1] for r, o in zip(rows, outputs)]
+        self._truncate([len(h) for h in self.history])
+        return results, stats
+
+    def _common_prefix(self, row: int, ids: list[int]) -> int:
+        """Length of the cached prefix of ``row`` reusable for ``ids`` (at least one token is left to run,
+        and the step set's ``reuse_margin`` more)."""
+        cached = self.history[row]
+        n = 0
+        limit = min(len(cached), len(ids) - 1)
+        while n < limit and cached[n] == ids[n]:
+            n += 1
+        return max(0, n - self.steps.reuse_margin)
+
+    def _truncate(self, lengths: list[int]) -> None:
+        """Sets each row's valid cache length (stale KV past it is ignored and later overwritten)."""
+        self.history = [h[:length] for h, length in zip(self.history, lengths)]
+        self.cache = dataclasses.replace(self.cache, lengths=jnp.asarray(lengths, jnp.int32))
+        self.steps.truncate(lengths)
+
+    def _decode_loop(self, ds: DecodeState, outputs, host_done, on_tokens) -> DecodeState:
+        """Dispatches block k+1 before reading block k, so the host's streaming overlaps device work."""
+        self.steps.start(ds)
+        pending = None  # (tokens, done flags) of the block in flight
+        start = self.cache_lengths() if self.model.sparse_active else None
+        per_block = self.steps.tokens_per_block
+        dispatched = 0
+        while not all(host_done):
+            mode = "dense"
+            if start is not None:  # bounds from host bookkeeping: no sync, block k+1 still overlaps block k
+                live = [i for i in range(len(outputs)) if not host_done[i]]
+                lo = min(start[i] + len(outputs[i]) for i in live)  # kv length at the block's first step, at least
+                hi = max(start[i] for i in live) + dispatched + per_block
+                mode = self.attention_mode(lo, hi)
+            ds, block = self.decode(ds, mode, self.sampling)
+            dispatched += per_block
+            if pending is not None:
+                ds = self._consume(pending, outputs, host_done, on_tokens, ds)
+            pending = (block, ds.done)
+        return ds
+
+    def _consume(self, pending, outputs, host_done, on_tokens, ds: DecodeState) -> DecodeState:
+        block, done = jax.device_get(pending)
+        new = [[] for _ in outputs]
+        for i in range(len(outputs)):
+            if host_done[i]:
+                continue
+            toks = [int(t) for t in block[i] if t >= 0]
+            outputs[i].extend(toks)
+            new[i] = toks
+            host_done[i] = bool(done[i])
+        return self._emit(on_tokens, new, host_done, ds)
+
+    def _emit(self, on_tokens, new, host_done, ds: DecodeState) -> DecodeState:
+        if on_tokens is None:
+            return ds
+        stop_rows = on_tokens(new) or []
+        if not stop_rows:
+            return ds
+        for i in stop_rows:
+            host_done[i] = True
+        mask = np.zeros(self.batch_size, bool)
+        mask[list(stop_rows)] = True
+        m = jnp.asarray(mask)
+        return dataclasses.replace(ds, done=ds.done | m, finish=jnp.where(m, FINISH_STOP, ds.finish))

@@ -1,0 +1,172 @@
+"""The speculative engine: an :class:`~minicpm_jax.engine.engine.Engine` whose device programs are EAGLE
+rounds (:class:`EagleSteps`) instead of plain decode steps. The engine's host logic (prompt checks,
+prefix reuse, chunked prefill, streaming, stops, stats) is the plain engine's; only the step set differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from minicpm_jax.engine.engine import Engine
+from minicpm_jax.engine.speculative.rounds import (
+    AcceptRule,
+    SpecConfig,
+    SpecState,
+    match_target,
+    spec_block,
+    spec_prefill_chunk,
+)
+from minicpm_jax.engine.steps import Compiled, PrefillChunk, first_token
+from minicpm_jax.engine.stops import DecodeState
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.infllm.policy import tree_depth_limit
+from minicpm_jax.model.cache import KVCache
+from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
+from minicpm_jax.model.draft import EagleDraft
+
+
+class EagleSteps:
+    """The device programs of EAGLE-2 speculative decoding (the step set of
+    :class:`~minicpm_jax.engine.steps.PlainSteps`' interface): a prompt chunk through the target and then
+    its (feature, next token) pairs through the draft; the first token; ``decode_block`` rounds per block.
+
+    Args:
+      model: the target. draft: its :class:`~minicpm_jax.model.draft.EagleDraft` (same dtype).
+      spec: tree settings. frspec_ids: FR-Spec subset ``int32[V']`` (``minicpm_jax.io.frspec.read_frspec``),
+        or None. batch_size: the engine's slots. decode_block: rounds per block.
+      accept: the acceptance rule of the rounds (default :func:`~minicpm_jax.engine.speculative.rounds.match_target`,
+        the target's tokens).
+    Sparse (InfLLM-v2) targets verify each tree node as plain sparse decoding of its path would, and extend
+    the compressed keys by the accepted tokens (trees at most
+    :func:`~minicpm_jax.infllm.policy.tree_depth_limit` deep).
+    """
+
+    # The draft needs the target feature of the last reused position, which the tail prefill recomputes.
+    reuse_margin = 1
+
+    def __init__(self, model: MiniCPMForCausalLM, draft: EagleDraft, *, spec: SpecConfig = SpecConfig(),
+                 frspec_ids: np.ndarray | None = None, batch_size: int = 1, decode_block: int = 4,
+                 accept: AcceptRule = match_target):
+        if draft.spec.layer.hidden_size != model.config.hidden_size or draft.spec.layer.vocab_size != model.config.vocab_size:
+            raise MiniCPMError("the draft's hidden size / vocabulary do not match the target's")
+        self.spec = spec.check()
+        if frspec_ids is not None and draft.own_head:
+            raise MiniCPMError("FR-Spec applies to drafts that use the target's lm_head; an EAGLE-3 draft has its own "
+                               "reduced vocabulary (drop --frspec_path)")
+        draft_vocab = (len(frspec_ids) if frspec_ids is not None else
+                       draft.spec.draft_vocab if draft.own_head else model.config.vocab_size)
+        if spec.topk_per_iter > draft_vocab:
+            raise MiniCPMError(f"spec_topk_per_iter {spec.topk_per_iter} exceeds the draft's vocabulary of {draft_vocab} ids")
+        if model.max_length < 16:
+            raise MiniCPMError(f"speculative decoding needs max_length >= 16, got {model.max_length}")
+        if model.sparse_active and spec.num_iter > tree_depth_limit(model.sparse):
+            raise MiniCPMError(
+                f"spec_num_iter {spec.num_iter} is deeper than sparse attention verifies exactly with this sparse_config "
+                f"(at most {tree_depth_limit(model.sparse)}: shorter than the coarse stride, inside the local window)")
+        self.model, self.draft = model, draft
+        self.graphdef, self.state = nnx.split(model)
+        self.dgraph, self.dstate = nnx.split(draft)
+        self.ids = None if frspec_ids is None else jnp.asarray(frspec_ids, jnp.int32)
+        self.head = None if frspec_ids is None else model.head_rows(self.ids)
+        self.batch_size = batch_size
+        self.tokens_per_block = decode_block * spec.max_accept
+        self.dcache = draft.new_cache(batch_size, model.max_length + spec.draft_slots + spec.max_accept)
+        self.last_feat = jnp.zeros((batch_size, draft.spec.feature_size), model.dtype)
+        self.rounds: SpecState | None = None  # the state carried between decode blocks
+        g, dg = self.graphdef, self.dgraph
+        self.compiled = Compiled({
+            "prefill": jax.jit(
+                lambda state, dstate, cache, dcache, *rest, mode: spec_prefill_chunk(g, state, dg, dstate, cache, dcache,
+                                                                                     *rest, mode=mode),
+                donate_argnums=(2, 3), static_argnames="mode"),
+            "first": jax.jit(functools.partial(first_token, max_length=model.max_length), static_argnames="sampling"),
+            "decode": jax.jit(
+                lambda state, dstate, head, ids, cache, ds, st, sampling, mode: spec_block(
+                    g, state, dg, dstate, head, ids, cache, ds, st, rounds=decode_block, spec=self.spec, accept=accept,
+                    sampling=sampling, mode=mode),
+                donate_argnums=(4, 6), static_argnames=("sampling", "mode")),
+        })
+
+    @property
+    def compile_time(self) -> float:
+        return self.compiled.compile_time
+
+    def reset(self, rows: np.ndarray | None = None) -> None:
+        """Forgets the draft's cached pairs (of the slots ``rows``, or all)."""
+        self.dcache = self.dcache.reset(None if rows is None else jnp.asarray(rows))
+
+    def truncate(self, lengths: Sequence[int]) -> None:
+        # Draft pair t = (f_t, x_{t+1}) is valid while x_{t+1} is cached; the tail prefill restarts at the
+        # length, so the draft holds exactly the pairs before it.
+        self.dcache = dataclasses.replace(self.dcache, lengths=jnp.asarray(lengths, jnp.int32))
+
+    def prefill_chunk(self, cache: KVCache, chunk: PrefillChunk, logits: jax.Array, mode: str):
+        args = (self.state, self.dstate, cache, self.dcache, chunk.tokens, chunk.next_tokens, chunk.num_valid,
+                chunk.next_valid, logits, self.last_feat)
+        cache, self.dcache, logits, self.last_feat = self.compiled("prefill", chunk.tokens.shape[1], *args, mode=mode)
+        return cache, logits
+
+    def first_token(self, cache: KVCache, ds: DecodeState, logits: jax.Array, active: jax.Array,
+                    sampling: str = "auto") -> DecodeState:
+        args = (ds, logits, active, cache.lengths)
+        return self.compiled("first", None, *args, sampling=sampling)
+
+    def start(self, ds: DecodeState) -> None:
+        """Rounds begin: the draft has yet to read the pair (last prompt feature, first token) of each row."""
+        b, a = self.batch_size, self.spec.max_accept
+        self.rounds = SpecState(
+            dcache=self.dcache,
+            pend_tok=jnp.zeros((b, a), jnp.int32).at[:, 0].set(ds.tok),
+            pend_feat=jnp.zeros((b, a, self.draft.spec.feature_size), self.model.dtype).at[:, 0].set(self.last_feat),
+            pend_n=jnp.where(ds.done, 0, 1).astype(jnp.int32),
+            accepted=jnp.zeros((b, a + 1), jnp.int32),
+        )
+
+    def decode_block(self, cache: KVCache, ds: DecodeState, mode: str, sampling: str = "auto"):
+        """``decode_block`` rounds; returns (cache, state, tokens ``int32[B, rounds·A]``, -1 = none)."""
+        args = (self.state, self.dstate, self.head, self.ids, cache, ds, self.rounds)
+        cache, ds, self.rounds, tokens = self.compiled("decode", None, *args, sampling=sampling, mode=mode)
+        self.dcache = self.rounds.dcache
+        return cache, ds, tokens
+
+    def accepted(self) -> np.ndarray | None:
+        """Rounds of the last decode loop by tokens emitted (0, 1, ..., A), summed over the rows."""
+        return None if self.rounds is None else np.asarray(jax.device_get(self.rounds.accepted)).sum(axis=0)
+
+
+class SpeculativeEngine(Engine):
+    """:class:`Engine` whose decode runs EAGLE-2 speculative rounds (:class:`EagleSteps`).
+
+    Args:
+      model: the target. draft: its :class:`~minicpm_jax.model.draft.EagleDraft` (same dtype).
+      spec: tree settings. frspec_ids: FR-Spec subset ``int32[V']``, or None.
+      decode_block: rounds per host round trip. Other arguments as :class:`Engine`.
+    """
+
+    def __init__(self, model: MiniCPMForCausalLM, draft: EagleDraft, *, spec: SpecConfig = SpecConfig(),
+                 frspec_ids: np.ndarray | None = None, batch_size: int = 1, chunk_length: int = 256,
+                 decode_block: int = 4):
+        steps = EagleSteps(model, draft, spec=spec, frspec_ids=frspec_ids, batch_size=batch_size,
+                           decode_block=decode_block)
+        super().__init__(model, batch_size=batch_size, chunk_length=chunk_length, decode_block=decode_block,
+                         steps=steps)
+
+    @property
+    def spec(self) -> SpecConfig:
+        return self.steps.spec
+
+    @property
+    def draft(self) -> EagleDraft:
+        return self.steps.draft
+
+    @property
+    def frspec_ids(self) -> jax.Array | None:
+        """The FR-Spec subset the draft's head runs over, or None."""
+        return self.steps.ids

@@ -1,0 +1,171 @@
+"""The device programs behind an :class:`~minicpm_jax.engine.engine.Engine`: a prompt chunk, the first
+token, a decode block — pure functions of (params, cache, state) compiled ahead of time per shape — and
+:class:`PlainSteps`, the set of them for plain decoding (one token a step). A speculative engine swaps in
+its own set (:class:`~minicpm_jax.engine.speculative.engine.EagleSteps`) with the same methods.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from minicpm_jax.engine.sampling import sample
+from minicpm_jax.engine.stops import DecodeState, apply_stops
+from minicpm_jax.model.cache import KVCache
+from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    """One chunk of prompt tokens for every row (host NumPy).
+
+    tokens ``int32[B, C]``: row i's tokens ``[begin, begin + C)`` of its prompt, zero padded; num_valid
+    ``int32[B]``: how many are real; next_tokens / next_valid: the same window one token later (the
+    tokens that follow, which a speculative draft pairs with the target's features).
+    """
+
+    begin: int
+    tokens: np.ndarray
+    num_valid: np.ndarray
+    next_tokens: np.ndarray
+    next_valid: np.ndarray
+
+    @classmethod
+    def of(cls, rows: Sequence[Sequence[int]], begin: int, size: int, batch_size: int) -> "PrefillChunk":
+        tokens = np.zeros((batch_size, size), np.int32)
+        next_tokens = np.zeros((batch_size, size), np.int32)
+        num_valid = np.zeros(batch_size, np.int32)
+        next_valid = np.zeros(batch_size, np.int32)
+        for i, r in enumerate(rows):
+            piece, following = r[begin : begin + size], r[begin + 1 : begin + size + 1]
+            tokens[i, : len(piece)] = piece
+            next_tokens[i, : len(following)] = following
+            num_valid[i], next_valid[i] = len(piece), len(following)
+        return cls(begin, tokens, num_valid, next_tokens, next_valid)
+
+
+class Compiled:
+    """Jitted functions compiled ahead of time per argument shapes and static arguments, so compilation is
+    timed apart from the work (``compile_time``, seconds over the object's life)."""
+
+    def __init__(self, jitted: dict):
+        self.jitted = jitted
+        self.executables: dict = {}
+        self.compile_time = 0.0
+
+    def __call__(self, name: str, key, *args, **static):
+        """Runs ``name`` on ``args``; ``key`` names the shape variant (e.g. the chunk size)."""
+        full_key = (name, key, tuple(sorted(static.items())))
+        exe = self.executables.get(full_key)
+        if exe is None:
+            t = time.perf_counter()
+            exe = self.executables[full_key] = self.jitted[name].lower(*args, **static).compile()
+            self.compile_time += time.perf_counter() - t
+        return exe(*args)
+
+
+# ---------------------------------------------------------------------------------- the device programs
+def prefill_chunk(graphdef, state, cache: KVCache, tokens, num_valid, last_logits, *, mode: str = "dense"):
+    """One prompt chunk ``tokens int32[B, C]`` into the cache; keeps the logits ``f32[B, V]`` of each row's
+    last real token (rows without tokens keep ``last_logits``). Returns (cache, logits)."""
+    model = nnx.merge(graphdef, state)
+    hidden, cache = model.forward(tokens, cache, num_valid, mode)
+    last = jnp.take_along_axis(hidden, jnp.maximum(num_valid - 1, 0)[:, None, None], axis=1)[:, 0]
+    logits = model.logits(last)
+    return cache, jnp.where((num_valid > 0)[:, None], logits, last_logits)
+
+
+def first_token(ds: DecodeState, logits, active, cache_lengths, *, max_length: int, sampling: str = "auto"):
+    """Samples each ``active`` row's first token from its prefill logits ``f32[B, V]``."""
+    tok = sample(logits, ds.keys, ds.n_gen, ds.temperature, ds.top_k, ds.top_p, sampling)
+    ds, _ = apply_stops(ds, tok[:, None], active.astype(jnp.int32), active, cache_lengths, max_length)
+    return ds
+
+
+def decode_steps(graphdef, state, cache: KVCache, ds: DecodeState, *, num_steps: int, mode: str = "dense",
+                 sampling: str = "auto"):
+    """Up to ``num_steps`` decode steps on device (stopping once every row is done); returns (cache, state,
+    tokens ``int32[B, num_steps]``, -1 = none)."""
+    model = nnx.merge(graphdef, state)
+    out = jnp.full((ds.tok.shape[0], num_steps), -1, jnp.int32)
+
+    def cond(carry):
+        i, _, ds, _ = carry
+        return (i < num_steps) & jnp.any(~ds.done)
+
+    def body(carry):
+        i, cache, ds, out = carry
+        active = ~ds.done
+        hidden, cache = model.forward(ds.tok[:, None], cache, active.astype(jnp.int32), mode)
+        logits = model.logits(hidden[:, 0])
+        new_tok = sample(logits, ds.keys, ds.n_gen, ds.temperature, ds.top_k, ds.top_p, sampling)
+        out = out.at[:, i].set(jnp.where(active, new_tok, -1))
+        ds, _ = apply_stops(ds, new_tok[:, None], active.astype(jnp.int32), active, cache.lengths, cache.max_length)
+        return i + 1, cache, ds, out
+
+    _, cache, ds, out = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, ds, out))
+    return cache, ds, out
+
+
+# ------------------------------------------------------------------------------------------ plain decode
+class PlainSteps:
+    """Plain decoding's programs for ``model``: a prompt chunk, the first token, ``decode_block`` steps.
+
+    The interface every step set of an Engine has: ``model``; ``reuse_margin`` (cached tokens of a reused
+    prefix that must run again); ``tokens_per_block`` (the most tokens a row advances in a decode block);
+    ``compile_time``; :meth:`reset`, :meth:`truncate`, :meth:`prefill_chunk`, :meth:`first_token`,
+    :meth:`start`, :meth:`decode_block`, :meth:`accepted`.
+    """
+
+    reuse_margin = 0
+
+    def __init__(self, model: MiniCPMForCausalLM, *, decode_block: int):
+        self.model = model
+        self.graphdef, self.state = nnx.split(model)
+        self.tokens_per_block = decode_block
+        self.compiled = Compiled({
+            "prefill": jax.jit(functools.partial(prefill_chunk, self.graphdef), donate_argnums=1,
+                               static_argnames="mode"),
+            "first": jax.jit(functools.partial(first_token, max_length=model.max_length), static_argnames="sampling"),
+            "decode": jax.jit(functools.partial(decode_steps, self.graphdef, num_steps=decode_block), donate_argnums=1,
+                              static_argnames=("mode", "sampling")),
+        })
+
+    @property
+    def compile_time(self) -> float:
+        return self.compiled.compile_time
+
+    def reset(self, rows: np.ndarray | None = None) -> None:
+        """Forgets the programs' own per-row state (plain decoding has none)."""
+
+    def truncate(self, lengths: Sequence[int]) -> None:
+        """The cache rows were cut to ``lengths`` (plain decoding keeps nothing beside the cache)."""
+
+    def prefill_chunk(self, cache: KVCache, chunk: PrefillChunk, logits: jax.Array, mode: str):
+        """Runs ``chunk`` into ``cache``; returns (cache, last-token logits ``f32[B, V]``)."""
+        args = (self.state, cache, chunk.tokens, chunk.num_valid, logits)
+        return self.compiled("prefill", chunk.tokens.shape[1], *args, mode=mode)
+
+    def first_token(self, cache: KVCache, ds: DecodeState, logits: jax.Array, active: jax.Array,
+                    sampling: str = "auto") -> DecodeState:
+        """Samples the ``active`` rows' first tokens from their prefill logits."""
+        args = (ds, logits, active, cache.lengths)
+        return self.compiled("first", None, *args, sampling=sampling)
+
+    def start(self, ds: DecodeState) -> None:
+        """A decode loop begins from ``ds`` (plain decoding needs nothing)."""
+
+    def decode_block(self, cache: KVCache, ds: DecodeState, mode: str, sampling: str = "auto"):
+        """One decode block; returns (cache, state, tokens ``int32[B, decode_block]``, -1 = none)."""
+        return self.compiled("decode", None, self.state, cache, ds, mode=mode, sampling=sampling)
+
+    def accepted(self) -> None:
+        """Speculative statistics (none for plain decoding)."""
+        return None

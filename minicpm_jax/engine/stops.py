@@ -1,0 +1,78 @@
+"""Per-row decode state and the stop rules, shared by plain decoding (one token a step) and speculative
+rounds (up to A tokens a round): stop ids (the stop token is emitted), the token budget, a full cache."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from minicpm_jax.errors import MiniCPMError
+
+FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
+MAX_STOP_IDS = 16  # static width of the per-row stop-id table
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    """Per-row decode state, all ``[B]`` unless noted; lives on device between blocks.
+
+    tok: last sampled token (not yet in the cache). done / finish: finished flag and reason.
+    n_gen: tokens generated so far. max_new: token budget. keys ``uint32[B, 2]``: sampling keys.
+    stop_ids ``int32[B, MAX_STOP_IDS]`` (-1 padded).
+    """
+
+    tok: jax.Array
+    done: jax.Array
+    finish: jax.Array
+    n_gen: jax.Array
+    max_new: jax.Array
+    keys: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    stop_ids: jax.Array
+
+
+def stop_table(stop_ids: Sequence[Sequence[int]], batch_size: int) -> np.ndarray:
+    """``int32[batch_size, MAX_STOP_IDS]``: each row's stop ids (deduplicated), -1 padded; MiniCPMError for
+    more than ``MAX_STOP_IDS`` ids in a row."""
+    table = np.full((batch_size, MAX_STOP_IDS), -1, np.int32)
+    for row, ids in enumerate(stop_ids):
+        ids = list(dict.fromkeys(ids))
+        if len(ids) > MAX_STOP_IDS:
+            raise MiniCPMError(f"at most {MAX_STOP_IDS} stop token ids per request, got {len(ids)}")
+        table[row, : len(ids)] = ids
+    return table
+
+
+def apply_stops(ds: DecodeState, emitted: jax.Array, count: jax.Array, active: jax.Array, cache_lengths: jax.Array,
+                max_length: int) -> tuple[DecodeState, jax.Array]:
+    """Applies the stop rules to up to A new tokens per row.
+
+    emitted ``int32[B, A]``: the row's new tokens in order, the first ``count[B]`` valid; active ``bool[B]``:
+    rows that ran; cache_lengths ``int32[B]``: after the step. A row keeps its tokens up to and including
+    the first stop id, within its budget; it is done on a stop id, on reaching ``max_new``, or with a full
+    cache. Returns (updated state, ``keep bool[B, A]``: the tokens it emits)."""
+    a = emitted.shape[1]
+    levels = jnp.arange(a, dtype=jnp.int32)
+    in_step = (levels[None, :] < count[:, None]) & active[:, None]
+    budget = ds.n_gen[:, None] + levels[None, :] < ds.max_new[:, None]
+    is_stop = jnp.any(emitted[:, :, None] == ds.stop_ids[:, None, :], axis=2) & in_step & budget
+    first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), a)
+    keep = in_step & budget & (levels[None, :] <= first_stop[:, None])
+    n_emit = jnp.sum(keep, axis=1, dtype=jnp.int32)
+    n_gen = ds.n_gen + n_emit
+    hit_stop = active & (first_stop < a)
+    hit_len = active & ~hit_stop & ((n_gen >= ds.max_new) | (cache_lengths >= max_length))
+    last = jnp.take_along_axis(emitted, jnp.maximum(n_emit - 1, 0)[:, None], axis=1)[:, 0]
+    ds = dataclasses.replace(
+        ds, tok=jnp.where(active, last, ds.tok), n_gen=n_gen, done=ds.done | hit_stop | hit_len,
+        finish=jnp.where(hit_stop, FINISH_STOP, jnp.where(hit_len, FINISH_LENGTH, ds.finish)).astype(jnp.int32),
+    )
+    return ds, keep

@@ -1,0 +1,161 @@
+"""GQA self-attention with RoPE over the static KV cache, dense or InfLLM-v2 sparse, for plain tokens and
+for speculative-tree tokens.
+
+Every op (the attention itself, the KV write, the int4 matmul of the projections, InfLLM-v2's kernels)
+comes from the kernel backend the model was built with (``attention_impl``: ``xla`` = the plain-jnp
+references, ``pallas`` = the Pallas kernels; chosen in :mod:`pallas_kernels.backend` only).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from minicpm_jax.config import ModelConfig, SparseConfig
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.infllm.attention import sparse_attention, tree_sparse_attention
+from minicpm_jax.infllm.compressed import extend_compressed
+from minicpm_jax.model.cache import KVCache
+from minicpm_jax.model.layers import make_linear
+from minicpm_jax.model.rope import apply_rope, rope_frequencies, rope_inverse
+from minicpm_jax.quant import QuantSpec
+from pallas_kernels import backend
+
+
+class TreeInputs(NamedTuple):
+    """How a chunk of speculative-tree tokens is stored and what it sees (``pallas_kernels.tree_attention``).
+
+    prefix ``int32[B]``: committed tokens before the tree; mask ``bool[B, T, M]``: token ``i`` sees tree
+    slot ``j`` (slot ``prefix + j``); offset: tree slot of the chunk's first token (``int32`` scalar; a
+    draft step writes after the nodes drafted before it); window (static): committed keys visible, None =
+    all.
+    """
+
+    prefix: jax.Array
+    mask: jax.Array
+    offset: jax.Array | int = 0
+    window: int | None = None
+
+
+ATTENTION_CHOICES = backend.CHOICES
+
+
+def resolve_attention_impl(name: str, head_dim: int) -> str:
+    """The kernel backend ``name`` resolves to for a model of ``head_dim`` (``auto`` → ``pallas`` on a GPU
+    when the kernels support it, else ``xla``); MiniCPMError for unknown or unsupported names."""
+    try:
+        return backend.resolve(name, head_dim)
+    except (backend.UnknownBackend, backend.UnsupportedShape) as e:
+        raise MiniCPMError(str(e).replace("kernel backend", "attention_impl")) from None
+
+
+class Attention(nnx.Module):
+    """``o_proj(attn(rope(q), rope(k), v))`` with q/k/v fused into ``qkv_proj``."""
+
+    def __init__(
+        self, config: ModelConfig, layer: int, *, max_length: int, attention_impl: str, rngs: nnx.Rngs, dtype,
+        quant: QuantSpec | None = None, sparse: SparseConfig | None = None, in_features: int | None = None,
+    ):
+        """in_features: width of the input to ``qkv_proj`` (default hidden_size; an EAGLE-3 draft layer
+        reads ``[embedding; hidden]``, twice that). attention_impl: a resolved kernel backend name."""
+        self.config = config
+        self.layer = layer
+        self.max_length = max_length
+        self.attention_impl = attention_impl
+        self.sparse = sparse
+        qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        linear = dict(impl=attention_impl, rngs=rngs, dtype=dtype)
+        self.qkv_proj = make_linear(in_features or config.hidden_size, qkv_out, quant, **linear)
+        self.o_proj = make_linear(config.num_heads * config.head_dim, config.hidden_size, quant, **linear)
+
+    @property
+    def kernels(self):
+        """The kernel backend namespace every op of this layer runs on."""
+        return backend.get(self.attention_impl)
+
+    def _rope(self) -> tuple:
+        cfg = self.config
+        return rope_frequencies(cfg.rope, cfg.head_dim, self.max_length, cfg.max_position_embeddings)
+
+    def _unrotate(self, inv_freq, rope_scale):
+        return rope_inverse(inv_freq, rope_scale) if self.sparse.use_nope else None
+
+    def extend_compressed(self, cache: KVCache, old_lengths: jax.Array, new_lengths: jax.Array,
+                          max_tokens: int) -> KVCache:
+        """This layer's K1/K2 extended over keys already in the cache (``old_lengths`` → ``new_lengths``,
+        ``int32[B]``, at most ``max_tokens`` apart): what a forward over those tokens would have added."""
+        return extend_compressed(cache, self.layer, old_lengths, new_lengths, self.sparse, max_tokens=max_tokens,
+                                 kernels=self.kernels, unrotate=self._unrotate(*self._rope()))
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, valid: jax.Array, cache: KVCache, kv_lengths: jax.Array,
+        mode: str = "dense", tree: TreeInputs | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """x ``[B, T, hidden]``, positions ``int32[B, T]``, valid ``bool[B, T]``; returns (``[B, T, hidden]``, cache).
+
+        mode (static): ``dense``; ``sparse`` (InfLLM-v2 for every row); ``mixed`` (both, each row taking
+        sparse iff ``kv_lengths >= dense_len``). With sparse settings the compressed caches are extended
+        in every mode.
+        tree: speculative-tree tokens (:class:`TreeInputs`): token ``i`` is stored at slot
+        ``prefix + offset + i`` (``positions`` are then only its RoPE positions) and attends to the prefix
+        and to the tree slots its mask names; with sparse settings and mode ``sparse`` (or ``mixed``, by
+        each node's length) as plain InfLLM-v2 decoding of its ancestor path would
+        (:func:`~minicpm_jax.infllm.attention.tree_sparse_attention`). The compressed caches are left to the
+        committed tokens (:meth:`extend_compressed` after the accepted path is in place).
+        """
+        cfg = self.config
+        ops = self.kernels
+        b, t, _ = x.shape
+        nq, nkv, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+        qkv = self.qkv_proj(x)
+        q = qkv[..., :nq].reshape(b, t, cfg.num_heads, d)
+        k = qkv[..., nq : nq + nkv].reshape(b, t, cfg.num_kv_heads, d)
+        v = qkv[..., nq + nkv :].reshape(b, t, cfg.num_kv_heads, d)
+        inv_freq, rope_scale = self._rope()
+        q_nope = q
+        q = apply_rope(q, positions, inv_freq, rope_scale)
+        k = apply_rope(k, positions, inv_freq, rope_scale)
+        sp = self.sparse
+        if tree is not None:
+            slots = tree.prefix[:, None] + tree.offset + jnp.arange(t, dtype=jnp.int32)[None, :]
+            cache = cache.write(self.layer, k, v, slots, valid, ops.cache_write)
+            dense_tree = lambda: ops.tree_attention(  # noqa: E731
+                q, cache.k, cache.v, tree.prefix, tree.mask, scale=d**-0.5, layer=self.layer, window=tree.window)
+            if sp is None or mode == "dense":
+                out = dense_tree()
+            else:
+                if tree.window is not None or tree.mask.shape[2] != t:
+                    raise ValueError("sparse tree attention verifies a whole tree at once (no offset or window)")
+                dtype = cache.k.dtype
+                sparse_out = tree_sparse_attention(
+                    q, q_nope if sp.use_nope else q, k.astype(dtype), v.astype(dtype), tree.mask, cache, self.layer,
+                    tree.prefix, positions - tree.prefix[:, None], sp, scale=d**-0.5, kernels=ops,
+                    unrotate=self._unrotate(inv_freq, rope_scale))
+                if mode == "sparse":
+                    out = sparse_out
+                else:  # mixed: each node as plain decoding would run it, by its own length
+                    use = positions + 1 >= sp.dense_len
+                    out = jnp.where(use[:, :, None, None], sparse_out, dense_tree())
+            return self.o_proj(out.reshape(b, t, nq)), cache
+        cache = cache.write(self.layer, k, v, positions, valid, ops.cache_write)
+        # The stacked cache goes in whole: kernels read this layer's slice in place.
+        dense = lambda: ops.attention(q, cache.k, cache.v, positions, kv_lengths, scale=d**-0.5, layer=self.layer)  # noqa: E731
+        if sp is None:
+            out = dense()
+        else:
+            cache = extend_compressed(cache, self.layer, positions[:, 0], kv_lengths, sp, max_tokens=t, kernels=ops,
+                                      unrotate=self._unrotate(inv_freq, rope_scale))
+            sparse_fn = lambda: sparse_attention(  # noqa: E731
+                q, q_nope if sp.use_nope else q, cache, self.layer, positions, kv_lengths, sp, scale=d**-0.5,
+                kernels=ops)
+            if mode == "dense":
+                out = dense()
+            elif mode == "sparse":
+                out = sparse_fn()
+            else:
+                use = kv_lengths >= sp.dense_len
+                out = jnp.where(use[:, None, None, None], sparse_fn(), dense())
+        return self.o_proj(out.reshape(b, t, nq)), cache

@@ -1,0 +1,222 @@
+"""The MiniCPM4 network as a Flax NNX module: (params, cache, tokens) → (logits, hidden, cache).
+
+The same module serves Llama-family checkpoints (neutral scalings). Layers are unrolled (a Python loop)
+rather than scanned so XLA streams every weight matrix straight into its GEMV at decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from minicpm_jax.config import ModelConfig, SparseConfig
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.infllm.policy import resolve_sparse
+from minicpm_jax.model.attention import Attention, TreeInputs, resolve_attention_impl
+from minicpm_jax.model.cache import KVCache
+from minicpm_jax.model.layers import MLP, Embed, Linear, RMSNorm
+from minicpm_jax.quant import QuantSpec
+
+
+class DecoderLayer(nnx.Module):
+    """``x += s·attn(norm(x)); x += s·mlp(norm(x))`` with ``s = scale_depth/sqrt(num_layers)``."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, max_length: int, attention_impl: str, rngs, dtype,
+                 quant: QuantSpec | None, sparse: SparseConfig | None):
+        self.residual_scale = config.residual_scale
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(
+            config, layer, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype, quant=quant,
+            sparse=sparse,
+        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, rngs=rngs, dtype=dtype, quant=quant,
+                       impl=attention_impl)
+
+    def __call__(self, x, positions, valid, cache: KVCache, kv_lengths, mode: str = "dense", tree=None):
+        attn, cache = self.self_attn(self.input_layernorm(x), positions, valid, cache, kv_lengths, mode, tree)
+        x = x + attn * jnp.asarray(self.residual_scale, x.dtype)
+        x = x + self.mlp(self.post_attention_layernorm(x)) * jnp.asarray(self.residual_scale, x.dtype)
+        return x, cache
+
+
+class MiniCPMModel(nnx.Module):
+    """Embedding, decoder layers and final norm (the checkpoint's ``model.`` prefix)."""
+
+    def __init__(self, config: ModelConfig, *, max_length: int, attention_impl: str, rngs, dtype, quant, sparse):
+        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, dtype=dtype)
+        self.layers = nnx.List(
+            [
+                DecoderLayer(config, i, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype,
+                             quant=quant, sparse=sparse)
+                for i in range(config.num_layers)
+            ]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+
+class MiniCPMForCausalLM(nnx.Module):
+    """MiniCPM4 / MiniCPM4.1 / Llama causal LM over a static :class:`KVCache`.
+
+    Args:
+      config: the model's hyper-parameters.
+      max_length: static cache length the model will run with (LongRoPE picks its factors from it).
+      attention_impl: the kernel backend of every op (attention, KV writes, the int4 matmul, InfLLM-v2):
+        ``"auto"`` (Pallas kernels on a GPU, else the references), ``"xla"`` (plain-jnp references) or
+        ``"pallas"``.
+      dtype: weight and activation dtype (bf16 on GPU; fp32 for exact tests).
+      rngs: random initialisation; None gives zeros (weights about to be loaded by ``weights.load_model``).
+      quant: int4 decoder linears (:class:`~minicpm_jax.quant.QuantSpec`), or None for dense weights.
+      sparse: InfLLM-v2 sparse attention: ``"auto"`` (the checkpoint's ``sparse_config``), ``"on"``,
+        ``"off"``/None, or a :class:`~minicpm_jax.config.SparseConfig` (see
+        :func:`~minicpm_jax.infllm.policy.resolve_sparse`). Its caches need :meth:`new_cache`.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        max_length: int = 4096,
+        attention_impl: str = "auto",
+        dtype=jnp.float32,
+        rngs: nnx.Rngs | None = None,
+        quant: QuantSpec | None = None,
+        sparse: str | SparseConfig | None = "auto",
+    ):
+        attention_impl = resolve_attention_impl(attention_impl, config.head_dim)
+        sparse = resolve_sparse(config, sparse)
+        self.sparse = sparse
+        # Sparse attention starts at dense_len tokens; a cache shorter than that never gets there, so such
+        # a model runs (and caches) exactly as a dense one.
+        self.sparse_active = sparse is not None and max_length >= sparse.dense_len
+        self.config = config
+        self.attention_impl = attention_impl
+        self.max_length = max_length
+        self.dtype = jnp.dtype(dtype)
+        self.quant = quant
+        self.model = MiniCPMModel(config, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype,
+                                  quant=quant, sparse=sparse if self.sparse_active else None)
+        if not config.tied_head:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, rngs=rngs, dtype=dtype)
+
+    def new_cache(self, batch_size: int, max_length: int | None = None) -> KVCache:
+        """An empty :class:`KVCache` for this model (its dtype; compressed keys when sparse)."""
+        sparse = self.sparse if self.sparse_active else None
+        return KVCache.create(self.config, batch_size, max_length or self.max_length, self.dtype, sparse)
+
+    def forward(
+        self, tokens: jax.Array, cache: KVCache, num_valid: jax.Array | None = None, mode: str = "auto",
+        tree: tuple[jax.Array, jax.Array] | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        hidden, _, cache = self.forward_features(tokens, cache, num_valid, mode, tree)
+        return hidden, cache
+
+    def forward_features(
+        self, tokens: jax.Array, cache: KVCache, num_valid: jax.Array | None = None, mode: str = "auto",
+        tree: tuple[jax.Array, jax.Array] | None = None, capture: tuple[int, ...] = (),
+    ) -> tuple[jax.Array, list[jax.Array], KVCache]:
+        """Runs ``tokens int32[B, T]`` appended after each sequence's cached tokens.
+
+        num_valid: ``int32[B]``, how many leading tokens of each row are real (default: all T). Padded
+        tokens are computed but neither cached nor counted.
+        mode (static; sparse models only): ``auto`` picks dense or InfLLM-v2 attention per row on device
+        (a row is sparse iff its length after this call reaches ``dense_len``); ``dense``, ``sparse`` or
+        ``mixed`` (both, picked per row) fix it at trace time, as the engine does from lengths it knows
+        (:func:`~minicpm_jax.infllm.policy.attention_mode`), so the compiled step has no conditional.
+        tree: ``(depths int32[B, T], tree_mask bool[B, T, T])`` verifies a speculative token tree: token
+        ``i`` goes to cache slot ``length + i`` with RoPE position ``length + depths[:, i]`` and attends to
+        the cached tokens and to the tree tokens ``j`` with ``tree_mask[:, i, j]`` (its ancestors and
+        itself); the cache length advances by T and is set to the committed length afterwards
+        (:func:`~minicpm_jax.engine.speculative.rounds.compact_cache`, then :meth:`extend_compressed`). Sparse models
+        verify each node as plain decoding of its path would (``auto`` = ``mixed`` for trees).
+        Returns the final-normed hidden states ``[B, T, hidden]`` (model dtype) and the updated cache
+        (``forward``); ``forward_features`` also returns the residual stream entering each layer of
+        ``capture`` (static; EAGLE-3 features), ``[B, T, hidden]`` each: (hidden, features, cache).
+        """
+        b, t = tokens.shape
+        if num_valid is None:
+            num_valid = jnp.full((b,), t, jnp.int32)
+        if self.sparse_active and cache.k1 is None:
+            raise MiniCPMError("this model uses InfLLM-v2 sparse attention: make its cache with model.new_cache(...)")
+        steps = jnp.arange(t, dtype=jnp.int32)
+        positions = cache.lengths[:, None] + steps[None, :]
+        if tree is not None:
+            depths, tree_mask = tree
+            positions = cache.lengths[:, None] + depths
+            tree = TreeInputs(cache.lengths, tree_mask)
+            if mode == "auto":  # per node by its own length (see Attention)
+                mode = "mixed" if self.sparse_active else "dense"
+        valid = steps[None, :] < num_valid[:, None]
+        kv_lengths = cache.lengths + num_valid
+        x = self.embed(tokens)
+
+        def run_layers(mode):
+            def run(x, cache):
+                seen = {}
+                for i, layer in enumerate(self.model.layers):
+                    if i in capture:
+                        seen[i] = x
+                    x, cache = layer(x, positions, valid, cache, kv_lengths, mode, tree)
+                return x, cache, [seen[i] for i in capture]
+            return run
+
+        if not self.sparse_active:
+            x, cache, captured = run_layers("dense")(x, cache)
+        elif mode != "auto":
+            if mode not in ("dense", "sparse", "mixed"):
+                raise ValueError(f"mode must be auto, dense, sparse or mixed, got {mode!r}")
+            x, cache, captured = run_layers(mode)(x, cache)
+        else:
+            # One switch for the whole forward: a conditional costs the GPU a host round trip, too much
+            # per layer.
+            use = kv_lengths >= self.sparse.dense_len
+            branch = jnp.where(jnp.all(use), 2, jnp.where(jnp.any(use), 1, 0))
+            x, cache, captured = lax.switch(branch, [run_layers("dense"), run_layers("mixed"), run_layers("sparse")],
+                                            x, cache)
+        cache = dataclasses.replace(cache, lengths=kv_lengths)
+        return self.model.norm(x), captured, cache
+
+    def extend_compressed(self, cache: KVCache, old_lengths: jax.Array, new_lengths: jax.Array,
+                          max_tokens: int) -> KVCache:
+        """Every layer's compressed keys (sparse models) extended over tokens put in the cache by other
+        means than a forward (the accepted path of a speculative tree), ``old_lengths`` → ``new_lengths``."""
+        if not self.sparse_active:
+            return cache
+        for layer in self.model.layers:
+            cache = layer.self_attn.extend_compressed(cache, old_lengths, new_lengths, max_tokens)
+        return cache
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """``tokens int32[...]`` → the scaled token embeddings ``E[tokens]·scale_emb`` ``[..., hidden]`` in
+        the model dtype: the input of the first layer (and of an EAGLE draft)."""
+        return self.model.embed_tokens(tokens).astype(self.dtype) * jnp.asarray(self.config.scale_emb, self.dtype)
+
+    def head_rows(self, ids: jax.Array | None = None) -> jax.Array:
+        """The lm_head as ``[V, hidden]`` rows (the embedding when tied), or only the rows ``ids int32[V']``
+        (an FR-Spec draft head)."""
+        w = self.model.embed_tokens.embedding[...] if self.config.tied_head else None
+        if ids is None:
+            return w if w is not None else self.lm_head.kernel[...].T
+        return w[ids] if w is not None else self.lm_head.kernel[...][:, ids].T
+
+    def logits(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
+        """``hidden [..., hidden_size]`` (final-normed) → fp32 logits ``[..., vocab]``: ``lm_head(hidden /
+        (hidden_size/dim_model_base))``. ``head``: other lm_head rows ``[V', hidden]`` (:meth:`head_rows`),
+        giving ``[..., V']``."""
+        h = hidden * jnp.asarray(self.config.logit_scale, hidden.dtype)
+        if head is not None or self.config.tied_head:
+            w = self.model.embed_tokens.embedding[...] if head is None else head
+            return jnp.einsum("...h,vh->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+        return jnp.dot(h, self.lm_head.kernel[...].astype(h.dtype), preferred_element_type=jnp.float32)
+
+    def __call__(
+        self, tokens: jax.Array, cache: KVCache, num_valid: jax.Array | None = None, mode: str = "auto",
+        tree: tuple[jax.Array, jax.Array] | None = None,
+    ) -> tuple[jax.Array, jax.Array, KVCache]:
+        """Full forward: returns (fp32 logits ``[B, T, vocab]``, hidden ``[B, T, hidden]``, cache)."""
+        hidden, cache = self.forward(tokens, cache, num_valid, mode, tree)
+        return self.logits(hidden), hidden, cache

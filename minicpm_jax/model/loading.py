@@ -1,0 +1,197 @@
+"""Models from checkpoints: :func:`load_model` (Hugging Face dense / GPTQ / marlin-cpmcu directories and
+native ones), :func:`load_draft` (EAGLE drafts), int4 ↔ dense conversion of a loaded model, and saving.
+
+The readers in :mod:`minicpm_jax.io` yield ``(param path, array)``; here an abstract model (shapes only,
+no memory) is built and filled with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from minicpm_jax.config import DraftSpec, ModelConfig, SparseConfig, read_config_json
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.infllm.policy import resolve_sparse
+from minicpm_jax.io import int4_formats
+from minicpm_jax.io.draft import draft_kind_of, draft_quant, from_vllm_names, read_draft_tensors, write_draft
+from minicpm_jax.io.hf import hf_checkpoint_quant, hf_params
+from minicpm_jax.io.int4_checkpoint import rtn_arrays
+from minicpm_jax.io.names import DECODER_LINEARS, ParamPath, draft_layer_prefix, draft_map, resolve_tied_head
+from minicpm_jax.io.native import is_native, native_quant, read_native, write_native
+from minicpm_jax.io.params import checkpoint_problems, read_params, report
+from minicpm_jax.io.safetensors import ArrayReader, safetensors_files
+from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
+from minicpm_jax.model.draft import EagleDraft
+from minicpm_jax.quant import QUANT_CHOICES, QuantSpec
+
+
+def abstract_model(config: ModelConfig, **model_kwargs) -> MiniCPMForCausalLM:
+    """The model with shape-only parameters (no memory), ready to be filled by :func:`fill_model`
+    (``model_kwargs``: those of :class:`MiniCPMForCausalLM`)."""
+    return nnx.eval_shape(lambda: MiniCPMForCausalLM(config, rngs=None, **model_kwargs))
+
+
+def param_shapes(model: nnx.Module) -> dict[ParamPath, jax.ShapeDtypeStruct]:
+    """``{param path: shape and dtype}`` of every parameter of ``model`` (abstract or not)."""
+    return {p: jax.ShapeDtypeStruct(v.shape, v.dtype) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def fill_model(model: nnx.Module, params: Iterator[tuple[ParamPath, jax.Array]]) -> nnx.Module:
+    """Replaces the parameters (and variables) of an (abstract) model by the given arrays; every one must
+    be given, with its shape."""
+    graphdef, state = nnx.split(model)
+    flat = dict(nnx.to_flat_state(state))
+    seen = set()
+    for path, value in params:
+        var = flat[path]
+        if tuple(value.shape) != tuple(var.shape):
+            raise MiniCPMError(f"parameter {'.'.join(map(str, path))} has shape {value.shape}, expected {var.shape}")
+        var.set_value(value) if hasattr(var, "set_value") else setattr(var, "value", value)
+        seen.add(path)
+    missing = [".".join(map(str, p)) for p in flat if p not in seen]
+    if missing:
+        raise MiniCPMError(f"parameters not loaded: {', '.join(missing[:10])}")
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def load_model(
+    path: str | os.PathLike, *, dtype=jnp.bfloat16, max_length: int = 4096, attention_impl: str = "auto",
+    quant: str = "auto", group_size: int = 128, sparse: str | SparseConfig | None = "auto",
+    sparse_overrides: dict | None = None,
+) -> MiniCPMForCausalLM:
+    """Loads a Hugging Face checkpoint directory (``config.json`` + safetensors; dense, GPTQ or
+    marlin-cpmcu) or a native one.
+
+    dtype: weights and activations (``bfloat16`` on GPU; ``float32`` for exact comparisons).
+    max_length: the static cache length this model will run with.
+    attention_impl: the kernel backend of every op (``auto``, ``xla`` or ``pallas``).
+    quant: ``auto`` keeps the checkpoint's weights as they are (int4 stays int4), ``none`` dequantizes an
+      int4 checkpoint, ``int4`` quantizes a dense one at load time (round-to-nearest, ``group_size`` rows
+      per scale group; use ``checkpoints_convert quantize --method gptq`` for better accuracy).
+    sparse, sparse_overrides: InfLLM-v2 mode (``auto``/``on``/``off`` or a SparseConfig) and field
+      overrides (``topk``, ``window_size``, ``dense_len``), see :func:`minicpm_jax.infllm.policy.resolve_sparse`.
+    """
+    path = os.fspath(path)
+    if quant not in QUANT_CHOICES:
+        raise MiniCPMError(f"quant must be one of {', '.join(QUANT_CHOICES)}, got {quant!r}")
+    config = ModelConfig.from_pretrained(path)
+    if max_length < 2:
+        raise MiniCPMError(f"max_length must be at least 2, got {max_length}")
+    sparse = resolve_sparse(config, sparse, **(sparse_overrides or {}))
+    kwargs = dict(max_length=max_length, attention_impl=attention_impl, dtype=dtype, sparse=sparse)
+    if is_native(path):
+        model = abstract_model(config, quant=native_quant(path), **kwargs)
+        model = fill_model(model, read_native(path, param_shapes(model)))
+    else:
+        files = safetensors_files(path)
+        config = resolve_tied_head(config, set(files))
+        ck = hf_checkpoint_quant(path, config, files)
+        model = abstract_model(config, quant=None if ck is None else ck.spec, **kwargs)
+        model = fill_model(model, hf_params(path, config, dtype, files, ck))
+    if quant == "none" and model.quant is not None:
+        return convert_model(model, None)
+    if quant == "int4" and model.quant is None:
+        return convert_model(model, QuantSpec(group_size=group_size))
+    return model
+
+
+def save_native(model: MiniCPMForCausalLM, dst: str) -> None:
+    """Writes ``model``'s parameters and config as a native checkpoint in the existing directory ``dst``."""
+    params = {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    write_native(params, model.config.to_hf_dict(), model.dtype, model.quant, dst)
+
+
+# ------------------------------------------------------------------------------------------- int4 ↔ dense
+def decoder_linears(model: MiniCPMForCausalLM) -> Iterator[tuple[ParamPath, nnx.Module]]:
+    """``(module path, linear)`` of every decoder linear (the ones int4 checkpoints quantize)."""
+    for i, layer in enumerate(model.model.layers):
+        for module, linear in DECODER_LINEARS:
+            yield ("model", "layers", i, module, linear), getattr(getattr(layer, module), linear)
+
+
+def int4_linear_weight(linear) -> int4_formats.Int4Weight:
+    """An int4 linear's parameters back as :class:`~minicpm_jax.io.int4_formats.Int4Weight` (original row
+    order)."""
+    arrays = {key: np.asarray(getattr(linear, key)[...]) for key in ("qweight", "scales", "zeros", "perm")
+              if hasattr(linear, key)}
+    return int4_formats.from_engine(arrays, linear.group_size)
+
+
+def convert_model(model: MiniCPMForCausalLM, quant: QuantSpec | None) -> MiniCPMForCausalLM:
+    """``model`` with its decoder linears re-stored as ``quant`` (None: dense, dequantized weights; a spec:
+    round-to-nearest int4 of dense weights). Other parameters are shared, not copied."""
+    if quant is not None and model.quant is not None:
+        raise MiniCPMError("the model is already int4; re-quantizing int4 weights is not supported")
+    if quant is not None:
+        quant = dataclasses.replace(quant, act_order=False)
+    target = abstract_model(model.config, max_length=model.max_length, attention_impl=model.attention_impl,
+                            dtype=model.dtype, quant=quant, sparse=model.sparse)
+
+    def params():
+        linears = dict(decoder_linears(model))
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+            if path[:5] not in linears:
+                yield path, var[...]
+        for path, linear in linears.items():
+            if quant is None:
+                yield path + ("kernel",), jnp.asarray(int4_linear_weight(linear).dequantize(), model.dtype)
+            else:
+                for key, value in rtn_arrays(np.asarray(linear.kernel[...], np.float32), quant, model.dtype).items():
+                    yield path + (key,), jnp.asarray(value)
+
+    return fill_model(target, params())
+
+
+# ------------------------------------------------------------------------------------------------ drafts
+def load_draft(path: str, target: ModelConfig, *, max_length: int, attention_impl: str, dtype) -> EagleDraft:
+    """Loads an EAGLE draft directory (tensors plus an optional ``config.json``) for ``target``.
+
+    The draft layer's head counts and MLP width come from its ``config.json`` (default: the target's);
+    its hidden size (and, for EAGLE-1/2, vocabulary) must match the target's. Missing, unexpected or
+    misshapen tensors raise one MiniCPMError listing them.
+    """
+    if not os.path.isdir(path):
+        raise MiniCPMError(f"draft checkpoint directory {path!r} does not exist")
+    tensors, _ = from_vllm_names(read_draft_tensors(path))
+    names = set(tensors)
+    kind = draft_kind_of(names)
+    raw = read_config_json(path) if os.path.isfile(os.path.join(path, "config.json")) else {}
+    head_rows = tensors["lm_head.weight"].shape[0] if "lm_head.weight" in names else None
+    spec = DraftSpec.from_config(raw, target, kind, head_rows)
+    cmap = draft_map(spec, names)
+    reader = ArrayReader(tensors)
+    ck = draft_quant(path, raw, tensors, cmap.linear(("fc",)))
+    problems = checkpoint_problems(cmap, reader, ck)
+    if kind == "eagle3" and "d2t" in names and not problems:
+        mapped = np.arange(spec.draft_vocab) + tensors["d2t"].astype(np.int64)
+        if mapped.min() < 0 or mapped.max() >= target.vocab_size:
+            problems.append(f"d2t maps draft ids outside the target vocabulary [0, {target.vocab_size})")
+    report(problems, f"draft checkpoint {path!r} does not match its target")
+    draft = nnx.eval_shape(lambda: EagleDraft(spec, max_length=max_length, attention_impl=attention_impl, dtype=dtype,
+                                              quant=None if ck is None else ck.spec))
+    return fill_model(draft, read_params(cmap, reader, dtype, ck))
+
+
+def save_draft(draft: EagleDraft, path: str) -> None:
+    """Writes a dense ``draft`` in CPM.cu / SafeAILab tensor names (``model.safetensors`` + ``config.json``,
+    atomically), the format :func:`load_draft` reads."""
+    if os.path.exists(path):
+        raise MiniCPMError(f"{path!r} already exists")
+    if draft.quant is not None:
+        raise MiniCPMError("save_draft writes dense drafts; an int4 draft is kept in its GPTQ / marlin checkpoint")
+    spec = draft.spec
+    flat = {k: np.asarray(v[...]).astype(np.int64 if k == ("d2t",) else np.float32)
+            for k, v in nnx.to_flat_state(nnx.state(draft))}
+    cmap = draft_map(spec, {draft_layer_prefix(spec.kind) + "self_attn.q_proj.weight"})  # split q/k/v, gate/up
+    tensors = {t.name: flat[t.path] for t in cmap.tensors}
+    for lin in cmap.linears:
+        rows = np.split(flat[lin.path + ("kernel",)].T, np.cumsum(lin.widths)[:-1], axis=0)
+        tensors.update({name: np.ascontiguousarray(r) for name, r in zip(lin.weight_names, rows)})
+    write_draft(path, tensors, spec.to_config())

@@ -1,0 +1,62 @@
+"""Rotary position embeddings: default, linear, llama3 and MiniCPM's LongRoPE (rotate-half convention)."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from minicpm_jax.config import RopeConfig
+
+
+def rope_frequencies(
+    rope: RopeConfig, head_dim: int, max_length: int, max_position_embeddings: int
+) -> tuple[np.ndarray, float]:
+    """Inverse frequencies ``float32[head_dim/2]`` and the cos/sin amplitude scale.
+
+    ``max_length`` is the engine's static cache length. LongRoPE picks ``long_factor`` iff it exceeds
+    ``original_max_position_embeddings`` (as CPM.cu does with its cache size; the HF MiniCPM code makes the
+    same choice from the current sequence length), and scales cos/sin by
+    ``sqrt(1 + ln(max_position_embeddings/original) / ln(original))`` as the HF ``MiniCPMLongRoPE`` does
+    (CPM.cu drops this factor; it is 1 for the shipped MiniCPM4 configs).
+    """
+    exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    scale = 1.0
+    if rope.kind == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.kind == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    elif rope.kind == "longrope":
+        orig = rope.original_max_position_embeddings
+        ext = np.asarray(rope.long_factor if max_length > orig else rope.short_factor, dtype=np.float64)
+        inv_freq = inv_freq / ext
+        ratio = max_position_embeddings / orig
+        scale = math.sqrt(1 + math.log(ratio) / math.log(orig)) if ratio > 1 else 1.0
+    return inv_freq.astype(np.float32), float(scale)
+
+
+def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray, scale: float = 1.0) -> jnp.ndarray:
+    """Rotates ``x[B, T, heads, head_dim]`` by ``positions[B, T]`` (int32); math in fp32, result in x.dtype."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
+    cos = (jnp.cos(angles) * scale)[:, :, None, :]
+    sin = (jnp.sin(angles) * scale)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def rope_inverse(inv_freq: np.ndarray, scale: float):
+    """``f(keys [B, N, KVH, D], positions [B, N])`` undoing :func:`apply_rope` (InfLLM-v2's ``use_nope``
+    compresses pre-RoPE keys, recovered from the cached post-RoPE ones)."""
+    return lambda keys, positions: apply_rope(keys, -positions, inv_freq, 1.0 / scale)

@@ -1,0 +1,98 @@
+"""The Pallas backend (Triton lowering on NVIDIA GPUs; interpret mode elsewhere, for tests): every op of
+:mod:`pallas_kernels.xla` under the same name and signature, run by the kernels of this package.
+
+Where one op is served by several kernels, the choice is made here: flash-decoding or flash attention by
+the number of query tokens; the one-launch compressed-key update for a decode step; InfLLM-v2's decode
+path (selection and attention in one kernel) for one query token, and for prefill chunks the block-sparse
+kernel below each query's local window merged with the window kernel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.attention import attention
+from pallas_kernels.cache_write import cache_write
+from pallas_kernels.flash import merge_attention
+from pallas_kernels.infllm.common import Geometry
+from pallas_kernels.infllm.compress import compress_step, compress_windows_reference
+from pallas_kernels.infllm.decode import pool_select_attention_tiled
+from pallas_kernels.infllm.select import pool_select_blocks_tiled
+from pallas_kernels.infllm.stage1 import compressed_scores_tiled, score_tile_rows
+from pallas_kernels.infllm.stage2 import block_sparse_attention, local_window_attention
+from pallas_kernels.int4_matmul import int4_matmul
+from pallas_kernels.launch import is_power_of_2
+from pallas_kernels.tree_attention import tree_attention
+
+__all__ = ["attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul",
+           "select_blocks", "sparse_attention", "tree_attention"]
+
+# Query tokens per row up to which sparse_attention takes the decode path (selection + attention in one
+# kernel, after the two stage-1 passes: four launches in all).
+DECODE_PATH_MAX_TOKENS = 1
+# Query tokens above which a prefill chunk attends its local windows with the window kernel.
+LOCAL_WINDOW_MIN_TOKENS = 16
+
+
+def compress_windows(k: jax.Array, k1: jax.Array, k2: jax.Array, old_lengths: jax.Array, new_lengths: jax.Array, *,
+                     geometry: Geometry, layer: int, max_tokens: int, unrotate=None) -> tuple[jax.Array, jax.Array]:
+    """:func:`pallas_kernels.xla.compress_windows`; a one-token step (decode) of pre-RoPE-free keys with
+    power-of-2 windows runs as one kernel writing in place (:func:`compress_step`)."""
+    if max_tokens == 1 and unrotate is None and is_power_of_2(geometry.kernel1) and is_power_of_2(geometry.kernel2):
+        return compress_step(k, k1, k2, old_lengths, new_lengths, layer=layer, **geometry.stage1())
+    return compress_windows_reference(k, k1, k2, old_lengths, new_lengths, layer=layer, max_tokens=max_tokens,
+                                      unrotate=unrotate, **geometry.stage1())
+
+
+def select_blocks(q: jax.Array, k1: jax.Array, k2: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array, *,
+                  scale: float, geometry: Geometry, num_blocks: int, layer: int | None = None,
+                  score_positions: jax.Array | None = None, extra_logits: jax.Array | None = None) -> jax.Array:
+    """:func:`pallas_kernels.xla.select_blocks`: the two stage-1 kernels, whose tiles the pooling +
+    selection kernel reads in place."""
+    pos = q_positions if score_positions is None else score_positions
+    scores, tokens = compressed_scores_tiled(q, k1, k2, pos, scale=scale, layer=layer, extra_logits=extra_logits,
+                                             **geometry.stage1())
+    return pool_select_blocks_tiled(scores, q_positions, kv_lengths, tokens=tokens, tile_rows=score_tile_rows(tokens),
+                                    **geometry.select(num_blocks))
+
+
+def splits_local_window(geometry: Geometry, tokens: int) -> bool:
+    """Whether :func:`sparse_attention` splits a chunk's stage 2 into the local window and the blocks below
+    it: chunks longer than ``LOCAL_WINDOW_MIN_TOKENS``, when every query's window is inside its selection
+    (``topk > init_blocks``: the init blocks and the window's ``local_blocks + 1`` blocks all score +inf
+    and ``topk + local_blocks`` are kept)."""
+    return tokens > LOCAL_WINDOW_MIN_TOKENS and geometry.topk > geometry.init_blocks
+
+
+def sparse_attention(q: jax.Array, q_select: jax.Array, k: jax.Array, v: jax.Array, k1: jax.Array, k2: jax.Array,
+                     q_positions: jax.Array, kv_lengths: jax.Array, *, scale: float, geometry: Geometry,
+                     layer: int | None = None) -> jax.Array:
+    """:func:`pallas_kernels.xla.sparse_attention` by the kernels: a decode step in four launches (the two
+    stage-1 passes, then the pooling, the pick and stage 2 in one kernel, then the split merge); a prefill
+    chunk as the selection kernels, then flash attention over each query's local window merged by
+    log-sum-exp with the block-sparse kernel over the selected blocks below it."""
+    b, t = q.shape[:2]
+    if t <= DECODE_PATH_MAX_TOKENS:
+        scores, tokens = compressed_scores_tiled(q_select, k1, k2, q_positions, scale=scale, layer=layer,
+                                                 **geometry.stage1())
+        return pool_select_attention_tiled(q, k, v, scores, q_positions, kv_lengths, tokens=tokens,
+                                           tile_rows=score_tile_rows(tokens), scale=scale, layer=layer,
+                                           **geometry.pool_select())
+    num_blocks = -(-k.shape[-2] // geometry.block_size)
+    blocks = select_blocks(q_select, k1, k2, q_positions, kv_lengths, scale=scale, geometry=geometry,
+                           num_blocks=num_blocks, layer=layer)
+    if not splits_local_window(geometry, t):
+        return block_sparse_attention(q, k, v, q_positions, kv_lengths, blocks, scale=scale,
+                                      block_size=geometry.block_size, layer=layer)
+    # The forced local window (the last local_blocks + 1 of each query's ascending selection) runs as flash
+    # attention tiled over tokens; the per-token kernel only reads the blocks below it.
+    lo_blk = jnp.maximum(q_positions // geometry.block_size - geometry.local_blocks, 0)[:, None, :, None]
+    far = jnp.where(blocks < lo_blk, blocks, -1)  # still valid entries first
+    parts = [
+        block_sparse_attention(q, k, v, q_positions, kv_lengths, far, scale=scale, block_size=geometry.block_size,
+                               layer=layer, return_lse=True, whole_blocks=True),
+        local_window_attention(q, k, v, q_positions, kv_lengths, scale=scale, block_size=geometry.block_size,
+                               local_blocks=geometry.local_blocks, layer=layer),
+    ]
+    return merge_attention(parts).astype(q.dtype)

@@ -1,0 +1,57 @@
+"""The reference backend: every op in plain jnp, lowered by XLA.
+
+It is the oracle the Pallas kernels are tested against and the path on hardware they do not support (and
+on CPUs, where Pallas would run in interpret mode). Its names and signatures are those of every backend
+namespace (:mod:`pallas_kernels.backend` chooses one); see :mod:`pallas_kernels.triton` for the kernels.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.attention import attention_reference as attention
+from pallas_kernels.cache_write import cache_write_reference as cache_write
+from pallas_kernels.infllm.common import Geometry
+from pallas_kernels.infllm.compress import compress_windows_reference
+from pallas_kernels.infllm.select import pool_select_blocks_reference
+from pallas_kernels.infllm.stage1 import compressed_scores_reference
+from pallas_kernels.infllm.stage2 import block_sparse_attention_reference as block_sparse_attention
+from pallas_kernels.int4_matmul import int4_matmul_reference as int4_matmul
+from pallas_kernels.topk import top_k
+from pallas_kernels.tree_attention import tree_attention_reference as tree_attention
+
+__all__ = ["attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul",
+           "select_blocks", "sparse_attention", "tree_attention"]
+
+
+def compress_windows(k: jax.Array, k1: jax.Array, k2: jax.Array, old_lengths: jax.Array, new_lengths: jax.Array, *,
+                     geometry: Geometry, layer: int, max_tokens: int, unrotate=None) -> tuple[jax.Array, jax.Array]:
+    """InfLLM-v2's compressed keys (k1, k2) extended over the windows completed between ``old_lengths`` and
+    ``new_lengths`` (:func:`~pallas_kernels.infllm.compress.compress_windows_reference`)."""
+    return compress_windows_reference(k, k1, k2, old_lengths, new_lengths, layer=layer, max_tokens=max_tokens,
+                                      unrotate=unrotate, **geometry.stage1())
+
+
+def select_blocks(q: jax.Array, k1: jax.Array, k2: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array, *,
+                  scale: float, geometry: Geometry, num_blocks: int, layer: int | None = None,
+                  score_positions: jax.Array | None = None, extra_logits: jax.Array | None = None) -> jax.Array:
+    """InfLLM-v2 stage 1 and block selection: ``q [B, T, H, D]`` against the compressed keys → the blocks
+    each query attends ``int32[B, KVH, T, K]``, ascending, -1 padded (``K = min(num_selected, num_blocks)``).
+    ``score_positions`` (default ``q_positions``) and ``extra_logits``: stage 1's query positions and one
+    more coarse logit per query head (a speculative tree node's, see ``compressed_scores_reference``)."""
+    pos = q_positions if score_positions is None else score_positions
+    scores = compressed_scores_reference(q, k1, k2, pos, scale=scale, layer=layer, extra_logits=extra_logits,
+                                         **geometry.stage1())
+    return pool_select_blocks_reference(scores, q_positions, kv_lengths, top_k=top_k, **geometry.select(num_blocks))
+
+
+def sparse_attention(q: jax.Array, q_select: jax.Array, k: jax.Array, v: jax.Array, k1: jax.Array, k2: jax.Array,
+                     q_positions: jax.Array, kv_lengths: jax.Array, *, scale: float, geometry: Geometry,
+                     layer: int | None = None) -> jax.Array:
+    """InfLLM-v2 attention of ``q [B, T, H, D]`` (post-RoPE) over the cache: stage-1 scores of ``q_select``
+    (``q``, or pre-RoPE q with ``use_nope``), block selection, block-sparse attention. ``[B, T, H, D]``."""
+    num_blocks = -(-k.shape[-2] // geometry.block_size)
+    blocks = select_blocks(q_select, k1, k2, q_positions, kv_lengths, scale=scale, geometry=geometry,
+                           num_blocks=num_blocks, layer=layer)
+    return block_sparse_attention(q, k, v, q_positions, kv_lengths, blocks, scale=scale,
+                                  block_size=geometry.block_size, layer=layer)

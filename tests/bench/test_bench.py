@@ -1,0 +1,206 @@
+"""The benchmark harness (``benchmarks/``, outside the library): the timing loop keeps every timed call
+live, the CLI runs end to end on the CPU (smoke numbers only), rejects bad flags, and draws its plot from
+saved JSON; the spec scenario's oracle acceptance rule accepts exactly K tokens a round."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from benchmarks.spec import oracle_accept
+from benchmarks.timing import device_loop, device_loop_time, kernel_seconds, loop_kernel_time
+from minicpm_jax.config import DraftSpec, ModelConfig
+from minicpm_jax.engine.engine import Engine
+from minicpm_jax.engine.speculative.engine import EagleSteps
+from minicpm_jax.engine.speculative.rounds import SpecConfig
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
+from minicpm_jax.model.draft import EagleDraft
+from tests.helpers import tiny_minicpm_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _bench(*args, timeout=600):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=ROOT)
+
+
+def test_device_loop_keeps_every_output_and_chains_calls():
+    """A list of three independent calls must all survive dead-code elimination inside the timed loop."""
+    fn = lambda x, n: [jnp.sin(x * (i + 2) + n) for i in range(3)]
+    args = (jnp.linspace(0, 1, 64), jnp.zeros((), jnp.int32))
+    hlo = device_loop(fn, args, iters=4).lower(*args).compile().as_text()
+    assert hlo.count("sine(") >= 3
+    times = device_loop_time(fn, args, iters=4, repeats=3)
+    assert len(times) == 3 and all(t > 0 for t in times)
+
+
+def test_kernel_seconds_sums_gpu_stream_events_by_kernel():
+    """Only events on a GPU plane's stream lines count; per-launch-site copies (``__N``) share a name;
+    the CPU's trace has none, so the kernel clock reports None there."""
+    ev = lambda name, ns: SimpleNamespace(name=name, duration_ns=ns)  # noqa: E731
+    line = lambda name, *events: SimpleNamespace(name=name, events=list(events))  # noqa: E731
+    planes = [
+        SimpleNamespace(name="/device:GPU:0", lines=[
+            line("Stream #13(Compute)", ev("decode_attention", 5000), ev("decode_attention__3", 7000),
+                 ev("input_reduce_fusion_2", 1000)),
+            line("XLA Ops", ev("decode_attention", 99999)),  # the op view of the same kernels: not counted
+        ]),
+        SimpleNamespace(name="/host:CPU", lines=[line("Stream #1", ev("decode_attention", 99999))]),
+    ]
+    assert kernel_seconds(planes) == pytest.approx({"decode_attention": 12e-6, "input_reduce_fusion_2": 1e-6})
+    args = (jnp.linspace(0, 1, 64), jnp.zeros((), jnp.int32))
+    assert loop_kernel_time(device_loop(lambda x, n: jnp.sin(x + n), args, iters=2), args, iters=2) is None
+
+
+def test_bench_smoke_on_cpu(tmp_path):
+    out = tmp_path / "bench.json"
+    md = tmp_path / "bench.md"
+    png = tmp_path / "bench.png"
+    r = _bench("--scenarios", "kernels,e2e", "--shape", "minicpm4-tiny", "--contexts", "40", "--attention_impls",
+               "xla,pallas", "--prefill_contexts", "32", "--decode_contexts", "64", "--decode_steps", "4",
+               "--decode_block", "2", "--chunk_length", "32", "--dtype", "float32", "--repeats", "1",
+               "--json_out", str(out), "--markdown_out", str(md), "--plot", str(png))
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [row["attention_impl"] for row in result["rows"]] == ["xla", "pallas"]
+    for row in result["rows"]:
+        assert row["context"] == 40 and len(row["decode_ms_per_token"]) == 1 and row["decode_ms_per_token"][0] > 0
+    for kind in ("prefill", "decode"):
+        sec = result["kernels"][kind][0]["seconds"]
+        assert isinstance(sec["pallas"], list) and sec["pallas"][0] > 0
+        assert isinstance(sec["xla"], list) and sec["xla"][0] > 0
+        assert isinstance(sec["cudnn"], str)  # no cuDNN on the CPU: reported, not fatal
+    assert "| minicpm4-tiny | pallas | none | off | 1 | 40 |" in r.stdout and md.read_text().strip() == r.stdout.strip()
+    assert png.stat().st_size > 1000
+
+
+def test_bench_int4_smoke_on_cpu(tmp_path):
+    """The int4 scenario times the dequant-GEMM per linear shape; e2e runs dense and int4 rows side by side."""
+    out = tmp_path / "bench.json"
+    r = _bench("--scenarios", "int4,e2e", "--shape", "minicpm4-tiny", "--contexts", "24", "--attention_impls", "xla",
+               "--quants", "none,int4", "--quant_group_size", "64", "--int4_ms", "1",
+               "--int4_kernels", "auto,tile", "--decode_steps", "3", "--decode_block", "2", "--chunk_length", "32", "--dtype", "float32",
+               "--repeats", "1", "--json_out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [row["quant"] for row in result["rows"]] == ["none", "int4 g64"]
+    assert all(row["decode_ms_per_token"][0] > 0 for row in result["rows"])
+    rows = result["int4"]["rows"]
+    assert [row["name"] for row in rows] == ["qkv", "o", "gate_up", "down"] and rows[0]["k"] == 256
+    for row in rows:
+        assert row["seconds"]["bf16"][0] > 0 and row["seconds"]["int4_kpacked"][0] > 0
+        assert row["seconds"]["int4_kpacked_tile"][0] > 0 and row["config"]["kernel"] == "planes"
+    assert "int4_kpacked_tile µs" in r.stdout
+    assert "| minicpm4-tiny | xla | int4 g64 | off | 1 | 24 |" in r.stdout and "int4 dequant-GEMM, group 64" in r.stdout
+
+
+def test_bench_sparse_smoke_on_cpu(tmp_path):
+    """The sparse scenario times dense and InfLLM-v2 attention of one layer (prefill and decode) and
+    writes its tables; e2e takes --sparse_modes."""
+    out = tmp_path / "bench.json"
+    r = _bench("--scenarios", "sparse", "--shape", "minicpm4-tiny", "--sparse_prefill_contexts", "256",
+               "--sparse_decode_contexts", "256", "--chunk_length", "128", "--repeats", "1", "--json_out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())["sparse"]
+    assert set(result["prefill"][0]["seconds"]) == {"dense", "sparse", "sparse_unsplit", "scores", "select", "select_xla_pool"}
+    assert set(result["decode"][0]["seconds"]) == {"dense", "sparse", "sparse_unfused", "scores", "select",
+                                                       "select_xla_pool", "stage2"}
+    assert all(t[0] > 0 for t in result["decode"][0]["seconds"].values())
+    assert result["decode"][0]["kernel_seconds"] == {"dense": None, "sparse": None}  # no GPU kernels on the CPU
+    assert "| 256 | 128 |" in r.stdout and "| decode context | blocks attended |" in r.stdout
+    assert "(pooled in the kernel / in XLA)" in r.stdout  # the pooling selection kernel beside XLA pooling
+    bad = _bench("--sparse_modes", "maybe", timeout=300)
+    assert bad.returncode == 2 and "unknown maybe" in bad.stderr
+
+
+def test_bench_spec_smoke_on_cpu(tmp_path):
+    """The spec scenario times verify forwards and oracle rounds, and the oracle forces the accept length."""
+    out = tmp_path / "bench.json"
+    r = _bench("--scenarios", "spec", "--shape", "minicpm4-tiny", "--spec_context", "48", "--spec_tree_sizes", "8",
+               "--spec_oracle_tree_size", "12", "--spec_frspec_vocab", "512", "--decode_steps", "13", "--repeats", "1",
+               "--dtype", "float32", "--json_out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads(out.read_text())["spec"]["rows"][0]
+    assert row["verify"][0]["tree_size"] == 8 and row["verify"][0]["ms"][0] > 0
+    oracle = row["oracle"][0]
+    assert oracle["mean_accept_length"] == 3.0 and oracle["frspec_vocab"] == 512
+    assert set(oracle["split_ms"]) == {"draft", "verify", "compact", "accept_and_rest"}
+    assert "| none | 3.00 | 12 (512) |" in r.stdout
+
+
+def test_plot_from_saved_json(tmp_path):
+    result = {
+        "device": "test", "shape": "minicpm4-8b",
+        "rows": [{"attention_impl": impl, "context": c, "decode_ms_per_token": [ms, ms]}
+                 for impl, base in (("pallas", 6.5), ("xla", 6.6)) for c, ms in ((1024, base), (32768, base + 0.5))],
+        "peer": {"rows": [{"attn": "eager", "context": 1024, "decode_ms_per_token": [70.0], "prefill_tok_s": [1.0]},
+                          {"attn": "eager", "context": 32768, "decode_ms_per_token": [], "prefill_tok_s": [],
+                           "error": "out of GPU memory"}]},
+    }
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps(result))
+    png = tmp_path / "p.png"
+    r = _bench("--plot_from", str(src), "--plot", str(png), timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--scenarios", "e2e,warp"], "unknown warp"),
+    (["--attention_impls", "cuda"], "unknown cuda"),
+    (["--quants", "int8"], "unknown int8"),
+    (["--int4_kernels", "auto,marlin_asm"], "unknown marlin_asm"),
+    (["--quant_group_size", "24"], "multiple of 16"),
+    (["--contexts", "1k"], "--contexts must be integers"),
+    (["--plot_from", "/nonexistent.json", "--plot", "x.png"], "cannot read /nonexistent.json"),
+    (["--scenarios", "e2e", "--contexts", "4000", "--max_length", "1000", "--shape", "smollm2-135m"],
+     "too small"),
+])
+def test_bench_rejects_bad_flags(args, message):
+    r = _bench(*args, timeout=300)
+    assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+def test_hf_peer_rows_on_cpu():
+    """The HF peer's measuring loop (run on the GPU by --peer hf) on a small shape on the CPU."""
+    pytest.importorskip("torch")
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "benchmarks.hf_peer", "--shape", "minicpm4-tiny", "--contexts", "16,24",
+                        "--decode_steps", "3", "--attn", "eager,sdpa", "--repeats", "2", "--device", "cpu"],
+                       capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [(row["attn"], row["context"]) for row in result["rows"]] == [("eager", 16), ("eager", 24), ("sdpa", 16), ("sdpa", 24)]
+    for row in result["rows"]:
+        assert row["error"] is None and len(row["decode_ms_per_token"]) == 2 and min(row["prefill_tok_s"]) > 0
+
+
+def test_oracle_rule_accepts_exactly_k():
+    """The spec scenario's acceptance rule (composed into the engine's step set by the benchmark) accepts
+    the draft's best chain to depth K-1 whatever the tokens: a random draft over a random target still
+    emits K tokens every round; K outside 1..num_iter+1 is refused."""
+    config = ModelConfig.from_dict(tiny_minicpm_config(vocab_size=64))
+    model = MiniCPMForCausalLM(config, max_length=96, attention_impl="xla", dtype=jnp.float32, rngs=nnx.Rngs(0))
+    draft = EagleDraft(DraftSpec.for_target(config), max_length=96, attention_impl="xla", dtype=jnp.float32,
+                       rngs=nnx.Rngs(1))
+    spec = SpecConfig(num_iter=3, topk_per_iter=4, tree_size=16)
+    steps = EagleSteps(model, draft, spec=spec, batch_size=1, decode_block=4, accept=oracle_accept(3, spec))
+    engine = Engine(model, batch_size=1, chunk_length=16, decode_block=4, steps=steps)
+    _, stats = engine.generate([[3, 9, 17, 4, 22, 5]], max_new_tokens=31)
+    summary = stats.as_dict()
+    assert summary["mean_accept_length"] == 3.0 and summary["spec_rounds"] == 10
+    assert summary["depth_acceptance"] == [1.0, 1.0, 0.0]
+    for k in (0, 5):
+        with pytest.raises(MiniCPMError, match="spec_oracle_accept"):
+            oracle_accept(k, spec)

@@ -1,0 +1,192 @@
+"""``python -m minicpm_jax.run`` as a user runs it: the demo model, JSON, streaming, chat, bad input."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+RUN = [sys.executable, "-m", "minicpm_jax.run"]
+
+
+def _run(*args, stdin=None, timeout=600):
+    return subprocess.run(RUN + list(args), capture_output=True, text=True, input=stdin, timeout=timeout, env=os.environ)
+
+
+def _assert_one_line_error(r, message):
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines and message in lines[0], r.stderr
+
+
+@pytest.mark.smollm2
+def test_demo_answers_and_prints_stats(smollm2_dir):
+    r = _run("--prompt_text", "What is the capital of France?", "--num_generate", "24")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    for line in ("Performance Summary", "Prefill length", "Prefill speed", "Decode length", "Decode speed"):
+        assert line in r.stdout
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.smollm2
+def test_json_output(smollm2_dir):
+    r = _run("--prompt_text", "What is the capital of France?", "--num_generate", "24", "--json_output", "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)  # stdout holds the JSON object and nothing else
+    assert "Paris" in out["text"] and out["finish_reason"] in ("stop", "length") and out["seed"] == 3
+    assert out["completion_tokens"] == len(out["token_ids"]) <= 24 and out["prompt_tokens"] > 10
+    stats = out["stats"]
+    assert stats["prefill_tokens"] == out["prompt_tokens"] and stats["decode_tokens"] == out["completion_tokens"] - 1
+    assert stats["decode_tokens_per_s"] > 0 and stats["prefill_tokens_per_s"] > 0
+
+
+@pytest.mark.smollm2
+def test_stream_prints_incrementally(smollm2_dir):
+    proc = subprocess.Popen(
+        RUN + ["--prompt_text", "Count from 1 to 20, one number per line.", "--num_generate", "60",
+               "--decode_block", "2", "--plain_output"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ,
+    )
+    arrivals = []
+    for line in proc.stdout:
+        arrivals.append((time.perf_counter(), line))
+    proc.wait(timeout=600)
+    assert proc.returncode == 0, proc.stderr.read()
+    summary = next(i for i, (_, line) in enumerate(arrivals) if line.startswith("Prefill length"))
+    text_lines = [t for t, line in arrivals[:summary] if line.strip()]
+    stats_at = arrivals[summary][0]
+    assert len(text_lines) >= 5
+    # The numbers arrived one by one while decoding, well before the summary line.
+    assert text_lines[-1] - text_lines[0] > 0.05
+    assert stats_at - text_lines[0] > 0.05
+
+
+@pytest.mark.smollm2
+def test_stop_string_cuts_output(smollm2_dir):
+    r = _run("--prompt_text", "Count from 1 to 20, one number per line.", "--num_generate", "60", "--stop", "5",
+             "--json_output")
+    out = json.loads(r.stdout)
+    assert out["finish_reason"] == "stop" and "5" not in out["text"] and "4" in out["text"]
+
+
+@pytest.mark.smollm2
+def test_interactive_chat_reuses_the_cache(smollm2_dir):
+    r = _run("--interactive", "--plain_output", "--num_generate", "32",
+             stdin="What is the capital of France?\nAnd what is the capital of Germany?\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout and "Berlin" in r.stdout
+    prefill = [int(line.split()[2]) for line in r.stderr.splitlines() if line.startswith("Prefill length")]
+    assert len(prefill) == 2 and prefill[1] < 25 < prefill[0]  # turn 2 prefills only its new tokens
+
+
+def test_unknown_flag():
+    _assert_one_line_error(_run("--no_such_flag=1"), "Unknown command line flag 'no_such_flag'")
+
+
+def test_missing_model_path(tmp_path):
+    _assert_one_line_error(_run("--model_path", str(tmp_path / "nope")), "does not exist")
+
+
+def test_directory_without_config(tmp_path):
+    _assert_one_line_error(_run("--model_path", str(tmp_path)), "no config.json in")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--temperature", "-1", "temperature must be >= 0"),
+    ("--top_p", "1.5", "top_p must be in (0, 1]"),
+    ("--top_k", "-3", "top_k must be >= 0"),
+    ("--max_length", "0", "--max_length must be >= 1"),
+])
+def test_bad_generation_flags(flag, value, message):
+    _assert_one_line_error(_run(flag, value), message)
+
+
+def test_missing_prompt_file(tmp_path):
+    _assert_one_line_error(_run("--prompt_file", str(tmp_path / "p.txt")), "--prompt_file")
+
+
+@pytest.mark.smollm2
+def test_prompt_longer_than_context(smollm2_dir):
+    r = _run("--prompt_text", "word " * 300, "--max_length", "128")
+    _assert_one_line_error(r, "max_length is 128")
+
+
+@pytest.mark.smollm2
+def test_pallas_attention_flag_gives_the_xla_tokens(smollm2_dir):
+    """--attention_impl pallas (interpret mode on the CPU) answers token for token like the reference."""
+    outs = {}
+    for impl in ("pallas", "xla"):
+        r = _run("--prompt_text", "What is the capital of France?", "--num_generate", "8", "--max_length", "256",
+                 "--chunk_length", "64", "--attention_impl", impl, "--json_output")
+        assert r.returncode == 0, r.stderr
+        outs[impl] = json.loads(r.stdout)
+        assert outs[impl]["attention_impl"] == impl
+    assert outs["pallas"]["token_ids"] == outs["xla"]["token_ids"]
+    assert "Paris" in outs["pallas"]["text"]
+
+
+@pytest.mark.smollm2
+def test_sparse_flags_reach_the_model(smollm2_dir):
+    """--sparse on for a checkpoint without sparse_config (MiniCPM4 defaults, overridden by flags): the
+    sparse path runs from token 16 on; with 64-token blocks all of this short prompt stays selected, so
+    the answer is unchanged."""
+    r = _run("--prompt_text", "What is the capital of France?", "--num_generate", "8", "--max_length", "256",
+             "--chunk_length", "64", "--sparse", "on", "--sparse_topk", "2", "--sparse_window", "128",
+             "--dense_len", "16", "--json_output")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["sparse"] == "topk 2 + window 128 (4 blocks of 64) from 16 tokens"
+    assert "Paris" in out["text"]
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--sparse_topk", "0", "topk must be >= 1"),
+    ("--dense_len", "0", "dense_len must be >= 1"),
+    ("--sparse", "sometimes", "sparse"),
+])
+def test_bad_sparse_flags(flag, value, message):
+    _assert_one_line_error(_run("--sparse", "on", flag, value) if flag != "--sparse" else _run(flag, value), message)
+
+
+def test_bad_attention_impl():
+    _assert_one_line_error(_run("--attention_impl", "cuda"), "attention_impl")
+
+
+def test_speculative_run_with_a_random_draft_gives_the_plain_greedy_text(smollm2_dir, tmp_path):
+    """SmolLM2 with a random-init EAGLE draft (Llama kind): greedy speculative output is the plain greedy
+    output, and the stats report the acceptance."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from minicpm_jax.config import DraftSpec, ModelConfig
+    from minicpm_jax.model.draft import EagleDraft
+    from minicpm_jax.model.loading import save_draft
+
+    cfg = ModelConfig.from_pretrained(smollm2_dir)
+    draft = EagleDraft(DraftSpec.for_target(cfg), max_length=256, attention_impl="xla", dtype=jnp.float32,
+                       rngs=nnx.Rngs(0))
+    save_draft(draft, str(tmp_path / "draft"))
+    common = ("--prompt_text", "What is the capital of France?", "--num_generate", "12", "--max_length", "256",
+              "--chunk_length", "64", "--json_output")
+    plain = _run(*common)
+    spec = _run(*common, "--draft_path", str(tmp_path / "draft"), "--spec_num_iter", "3", "--spec_tree_size", "16")
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    plain_out, spec_out = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert spec_out["text"] == plain_out["text"] and "Paris" in spec_out["text"]
+    assert plain_out["speculative"] == "off"
+    assert spec_out["speculative"] == "llama EAGLE draft, tree 16 (3 steps x top-10), window 1024, full vocabulary"
+    assert spec_out["stats"]["spec_rounds"] >= 1 and spec_out["stats"]["mean_accept_length"] >= 1.0
+    assert len(spec_out["stats"]["depth_acceptance"]) == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--draft_path", "/nonexistent/draft"), "is not a directory"),
+    (("--frspec_path", "/tmp"), "needs --draft_path"),
+    (("--draft_path", "/tmp", "--spec_tree_size", "65"), "spec_tree_size"),
+])
+def test_bad_speculative_flags(args, message):
+    _assert_one_line_error(_run(*args), message)

@@ -1,0 +1,232 @@
+"""``python -m minicpm_jax.server`` live on 127.0.0.1 with the demo model: the official openai client,
+streaming = non-streaming, usage counts against the engine, 32 concurrent streaming clients = the same
+requests one at a time, a client killed mid-stream, bad input, API keys, a full queue, and a bounded
+schemathesis fuzz run."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.smollm2
+KEY = "sk-minicpm-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *flags: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(os.path.join(os.environ.get("MINICPM_JAX_CACHE", "/tmp"), f"server-{self.port}.log"), "w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "minicpm_jax.server", "--port", str(self.port), *flags],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=os.environ)
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise RuntimeError(f"server did not start: {self.output()}")
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-3000:]
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir):
+    s = Server("--max_batch_size", "8", "--max_length", "512", "--api_key", KEY, "--served_model_name", "smollm2")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def _chat(client, content: str, max_tokens: int = 24, **kw):
+    return client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": content}],
+                                          max_tokens=max_tokens, temperature=0, **kw)
+
+
+def _stream_text(client, content: str, max_tokens: int = 24) -> tuple[str, str, int]:
+    """(streamed text, finish_reason, completion tokens from the final usage chunk)."""
+    text, finish, tokens = [], None, None
+    for chunk in _chat(client, content, max_tokens, stream=True, stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return "".join(text), finish, tokens
+
+
+def test_openai_client_answers_and_streams_the_same_text(client, smollm2_dir):
+    from minicpm_jax.engine.engine import Engine
+    from minicpm_jax.model.loading import load_model
+    from minicpm_jax.tokenizer import TextStream, encode_prompt, load_tokenizer, stop_token_ids
+
+    question = "What is the capital of France?"
+    full = _chat(client, question, 40)
+    streamed, finish, _ = _stream_text(client, question, 40)
+    answer = full.choices[0].message.content
+    assert "Paris" in answer and streamed == answer and finish == full.choices[0].finish_reason == "stop"
+    # The oracle: the engine in this process on the same prompt.
+    tok = load_tokenizer(smollm2_dir)
+    model = load_model(smollm2_dir, max_length=512, attention_impl="xla")
+    ids = encode_prompt(tok, messages=[{"role": "user", "content": question}])
+    (res,), _ = Engine(model, batch_size=1, chunk_length=64).generate(
+        [ids], max_new_tokens=40, stop_token_ids=stop_token_ids(model.config, tok, smollm2_dir))
+    text = TextStream(tok, [])
+    text.push(res.token_ids)
+    assert answer == text.finish()
+    assert full.usage.prompt_tokens == len(ids) and full.usage.completion_tokens == len(res.token_ids)
+    assert full.usage.total_tokens == len(ids) + len(res.token_ids)
+
+
+def test_models_completions_length_and_stop_strings(client):
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+    done = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=6, temperature=0)
+    chunks = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=6,
+                                       temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == done.choices[0].text
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 6
+    # A stop string is matched on the text (here across token boundaries) and cut, finish_reason stop.
+    full = _chat(client, "What is the capital of France?", 40).choices[0].message.content
+    cut = _chat(client, "What is the capital of France?", 40, stop=["is Par"]).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == full[: full.index("is Par")]
+    parts = client.chat.completions.create(
+        model="smollm2", max_tokens=40, temperature=0,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                               {"type": "text", "text": "of France?"}]}])
+    assert parts.choices[0].message.content == full
+
+
+def test_concurrent_streaming_clients_match_one_at_a_time(client, server):
+    prompts = [f"Write a short sentence about the number {i}." for i in range(32)]
+    t = time.perf_counter()
+    alone = [_stream_text(client, p, 16) for p in prompts]
+    serial_s = time.perf_counter() - t
+
+    def kill_mid_stream():
+        body = {"model": "smollm2", "messages": [{"role": "user", "content": "Tell me a long story."}],
+                "max_tokens": 200, "temperature": 0, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+            for _ in r.iter_lines():
+                break  # the client goes away after the first event
+
+    cancelled_before = httpx.get(server.url + "/health").json()["finished"].get("cancelled", 0)
+    with concurrent.futures.ThreadPoolExecutor(33) as pool:
+        t = time.perf_counter()
+        killer = pool.submit(kill_mid_stream)
+        together = list(pool.map(lambda p: _stream_text(client, p, 16), prompts))
+        parallel_s = time.perf_counter() - t
+        killer.result()
+    assert together == alone
+    assert all(finish in ("stop", "length") and text and n for text, finish, n in together)
+    tokens = sum(n for _, _, n in together)
+    print(f"\n32 streaming requests ({tokens} tokens): one at a time {serial_s:.1f} s ({32 / serial_s:.2f} req/s, "
+          f"{tokens / serial_s:.1f} tok/s); concurrent {parallel_s:.1f} s ({32 / parallel_s:.2f} req/s, "
+          f"{tokens / parallel_s:.1f} tok/s); speed-up {serial_s / parallel_s:.1f}x")
+    # The killed stream was cancelled (not run to its 200 tokens) and the server goes idle.
+    deadline = time.time() + 60
+    while httpx.get(server.url + "/health").json()["active"] and time.time() < deadline:
+        time.sleep(0.2)
+    health = httpx.get(server.url + "/health").json()
+    assert health["active"] == 0 and health["finished"]["cancelled"] == cancelled_before + 1
+
+
+def _post(server, body, *, path="/v1/chat/completions", key=KEY, raw=None, headers=None):
+    h = {"Authorization": f"Bearer {key}"} if key else {}
+    h.update(headers or {})
+    if raw is not None:
+        return httpx.post(server.url + path, content=raw, headers={**h, "content-type": "application/json"}, timeout=60)
+    return httpx.post(server.url + path, json=body, headers=h, timeout=60)
+
+
+MSG = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("case,body,status,text", [
+    ("malformed json", b'{"messages": [', 400, "not valid JSON"),
+    ("missing messages", {"max_tokens": 5}, 400, "messages"),
+    ("empty messages", {"messages": []}, 400, "messages"),
+    ("messages not a list", {"messages": "Hi"}, 400, "messages"),
+    ("content wrong type", {"messages": [{"role": "user", "content": 5}]}, 400, "content"),
+    ("unknown role", {"messages": [{"role": "wizard", "content": "Hi"}]}, 400, "role"),
+    ("max_tokens zero", {"messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", {"messages": MSG, "max_tokens": -3}, 400, "max_tokens"),
+    ("max_tokens over context", {"messages": MSG, "max_tokens": 100000}, 400, "above the context"),
+    ("max_tokens not int", {"messages": MSG, "max_tokens": "many"}, 400, "max_tokens"),
+    ("temperature out of range", {"messages": MSG, "temperature": 7}, 400, "temperature"),
+    ("top_p zero", {"messages": MSG, "top_p": 0}, 400, "top_p"),
+    ("n above one", {"messages": MSG, "n": 2}, 400, "n"),
+    ("too many stops", {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("prompt over context", {"messages": [{"role": "user", "content": "word " * 3000}]}, 400, "context"),
+    ("oversized body", {"messages": [{"role": "user", "content": "x" * (2 << 20)}]}, 413, "larger than"),
+    ("completion prompt list", {"prompt": ["a", "b"]}, 400, "one string"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, case, body, status, text):
+    path = "/v1/completions" if case.startswith("completion") else "/v1/chat/completions"
+    r = _post(server, None if isinstance(body, bytes) else body, raw=body if isinstance(body, bytes) else None, path=path)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert text in err["message"] and err["type"] == "invalid_request_error"
+    assert _post(server, {"messages": MSG, "max_tokens": 2}).status_code == 200
+
+
+def test_api_key_required(server):
+    for key in (None, "sk-wrong"):
+        r = _post(server, {"messages": MSG}, key=key)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200  # health checks need no key
+
+
+def test_full_queue_gets_429_and_the_api_survives_fuzzing(smollm2_dir):
+    small = Server("--max_batch_size", "1", "--max_queue", "1", "--max_length", "96", "--decode_block", "4")
+    try:
+        body = {"model": "x", "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 40,
+                "temperature": 0}
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            codes = list(pool.map(lambda _: httpx.post(small.url + "/v1/chat/completions", json=body, timeout=120), range(6)))
+        busy = [r for r in codes if r.status_code == 429]
+        assert busy and all(r.headers.get("retry-after") for r in busy)
+        assert busy[0].json()["error"]["type"] == "rate_limit_error"
+        assert {r.status_code for r in codes} <= {200, 429} and any(r.status_code == 200 for r in codes)
+        schemathesis = os.path.join(os.path.dirname(sys.executable), "schemathesis")
+        if not os.path.exists(schemathesis):
+            pytest.skip("schemathesis is not installed")
+        r = subprocess.run([schemathesis, "run", small.url + "/openapi.json", "--checks", "not_a_server_error",
+                            "--max-examples", "15", "--request-timeout", "120", "--no-color"],
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stdout[-4000:]
+        assert httpx.get(small.url + "/health").status_code == 200
+    finally:
+        small.stop()

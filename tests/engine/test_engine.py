@@ -1,0 +1,178 @@
+"""Engine behaviour: stop conditions on device, streaming, multi-turn cache reuse, sampling filters, errors."""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from minicpm_jax.engine.engine import Engine
+from minicpm_jax.engine.sampling import SamplingParams, filter_top_k_top_p, sample
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.model.loading import load_model
+
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt):
+    model = load_model(tiny_ckpt[0], dtype=jnp.float32, max_length=MAX_LEN)
+    return Engine(model, batch_size=2, chunk_length=16, decode_block=4)
+
+
+PROMPT = [3, 17, 40, 8, 9, 11, 60]
+
+
+def test_max_new_tokens_gives_length(engine):
+    [res], stats = engine.generate([PROMPT], max_new_tokens=9)
+    assert len(res.token_ids) == 9 and res.finish_reason == "length"
+    assert stats.prefill_tokens == len(PROMPT) and stats.decode_tokens == 8
+    assert stats.prefill_time > 0 and stats.decode_time > 0
+
+
+def test_stop_token_ends_generation_on_device(engine):
+    [ref], _ = engine.generate([PROMPT], max_new_tokens=12)
+    stop = ref.token_ids[5]
+    first = ref.token_ids.index(stop)
+    [res], _ = engine.generate([PROMPT], max_new_tokens=12, stop_token_ids=[stop])
+    assert res.token_ids == ref.token_ids[: first + 1] and res.finish_reason == "stop"
+    # Per-row stop lists: the other row is unaffected.
+    res2, _ = engine.generate([PROMPT, PROMPT], max_new_tokens=12, stop_token_ids=[[stop], []])
+    assert res2[0].token_ids == res.token_ids and res2[1].token_ids == ref.token_ids
+
+
+def test_full_cache_ends_with_length(engine):
+    prompt = list(np.arange(MAX_LEN - 5) % 90 + 3)
+    [res], _ = engine.generate([prompt], max_new_tokens=100)
+    # MAX_LEN - 5 prompt tokens + 5 more written; the token sampled from the last slot is returned too.
+    assert res.finish_reason == "length" and len(res.token_ids) == 6
+    assert engine.cache_lengths()[0] == MAX_LEN
+
+
+def test_streaming_callback_sees_every_token_in_order(engine):
+    blocks = []
+    [res], _ = engine.generate([PROMPT], max_new_tokens=15, on_tokens=lambda new: blocks.append(new[0]))
+    assert sum(blocks, []) == res.token_ids
+    assert len(blocks) >= 4  # first token, then blocks of at most 4 (decode_block)
+    assert all(len(b) <= 4 for b in blocks)
+
+
+def test_callback_can_stop_a_row(engine):
+    seen = []
+
+    def on_tokens(new):
+        seen.extend(new[0])
+        return [0] if len(seen) >= 6 else None
+
+    [res], _ = engine.generate([PROMPT], max_new_tokens=30, on_tokens=on_tokens)
+    assert res.finish_reason == "stop" and 6 <= len(res.token_ids) < 30
+    assert res.token_ids == seen
+
+
+def test_callback_can_stop_a_row_at_its_first_token(engine):
+    [res], _ = engine.generate([PROMPT], max_new_tokens=30, on_tokens=lambda new: [0])
+    assert len(res.token_ids) == 1 and res.finish_reason == "stop"
+    assert engine.cache_lengths()[0] == len(PROMPT)
+
+
+def test_multi_turn_prefix_reuse_equals_fresh_run(engine):
+    turn2 = [21, 22, 23]
+    [a], _ = engine.generate([PROMPT], max_new_tokens=6)
+    conversation = PROMPT + a.token_ids + turn2
+    [b], stats = engine.generate([conversation], max_new_tokens=6, reuse_prefix=True)
+    # Only the last sampled token (never cached) and the new turn are prefilled.
+    assert stats.prefill_tokens == 1 + len(turn2)
+    assert engine.cache_lengths()[0] == len(conversation) + 5
+    [fresh], stats = engine.generate([conversation], max_new_tokens=6)
+    assert stats.prefill_tokens == len(conversation)
+    assert b.token_ids == fresh.token_ids
+    # A prompt that diverges early rolls the cache back to the common prefix.
+    [c], stats = engine.generate([PROMPT[:3] + [50, 51]], max_new_tokens=4, reuse_prefix=True)
+    assert stats.prefill_tokens == 2
+    [c_fresh], _ = engine.generate([PROMPT[:3] + [50, 51]], max_new_tokens=4)
+    assert c.token_ids == c_fresh.token_ids
+    # The same prompt again still runs its last token (logits are needed).
+    [d], stats = engine.generate([PROMPT[:3] + [50, 51]], max_new_tokens=4, reuse_prefix=True)
+    assert stats.prefill_tokens == 1
+    assert d.token_ids == c_fresh.token_ids
+
+
+def test_prompt_longer_than_max_length_is_rejected(engine):
+    with pytest.raises(MiniCPMError, match="max_length is 64"):
+        engine.generate([list(range(3, 3 + MAX_LEN))])
+    with pytest.raises(MiniCPMError, match="empty prompt"):
+        engine.generate([[]])
+    with pytest.raises(MiniCPMError, match="outside the vocabulary"):
+        engine.generate([[10_000]])
+    with pytest.raises(MiniCPMError, match="1..2 prompts"):
+        engine.generate([PROMPT] * 3)
+
+
+@pytest.mark.parametrize("kw, msg", [({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"),
+                                     ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k")])
+def test_bad_sampling_params(kw, msg):
+    with pytest.raises(MiniCPMError, match=msg):
+        SamplingParams(**kw)
+
+
+def test_top_k_top_p_filter_matches_numpy():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((4, 50)).astype(np.float32) * 3
+    top_k = np.array([0, 5, 0, 10], np.int32)
+    top_p = np.array([0.5, 1.0, 0.9, 0.3], np.float32)
+    got = np.asarray(filter_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)))
+    for row in range(4):
+        order = np.argsort(-logits[row])
+        k = top_k[row] or 50
+        kept = order[:k]
+        p = np.exp(logits[row, kept] - logits[row, kept].max())
+        p /= p.sum()
+        n = int(np.searchsorted(np.cumsum(p), top_p[row]) + 1)  # smallest prefix with mass >= top_p
+        expect = set(kept[: min(n, k)].tolist())
+        assert set(np.flatnonzero(np.isfinite(got[row])).tolist()) == expect
+
+
+def test_sampler_distribution_and_greedy():
+    logits = jnp.log(jnp.asarray([[0.1, 0.6, 0.3]] * 2, jnp.float32))
+    keys = jnp.stack([jax.random.PRNGKey(0)] * 2)
+    draw = jax.jit(jax.vmap(lambda step: sample(logits, keys, jnp.full((2,), step, jnp.int32), jnp.asarray([1.0, 0.0]),
+                                                 jnp.zeros(2, jnp.int32), jnp.ones(2))))
+    draws = np.asarray(draw(jnp.arange(2000)))
+    assert (draws[:, 1] == 1).all()  # temperature 0 row is greedy
+    freq = np.bincount(draws[:, 0], minlength=3) / 2000
+    np.testing.assert_allclose(freq, [0.1, 0.6, 0.3], atol=0.04)
+
+
+def test_static_sampling_kinds_draw_what_auto_draws():
+    """Each static path (the engine compiles the one its requests need) equals the on-device choice."""
+    from minicpm_jax.engine.sampling import sampling_kind
+
+    assert sampling_kind([SamplingParams(), SamplingParams()]) == "greedy"
+    assert sampling_kind([SamplingParams(), SamplingParams(temperature=0.5)]) == "temperature"
+    assert sampling_kind([SamplingParams(top_k=5), SamplingParams(temperature=0.5, top_p=0.9)]) == "filtered"
+    assert sampling_kind([SamplingParams(top_k=5)]) == "greedy"  # filters without temperature do nothing
+    logits = jax.random.normal(jax.random.PRNGKey(0), (4, 50)) * 3
+    keys = jnp.stack([jax.random.PRNGKey(i) for i in range(4)])
+    steps = jnp.arange(4, dtype=jnp.int32)
+    rows = {
+        "greedy": ([0.0] * 4, [0] * 4, [1.0] * 4),
+        "temperature": ([0.0, 0.7, 1.0, 2.0], [0] * 4, [1.0] * 4),
+        "filtered": ([0.0, 0.7, 1.0, 2.0], [0, 3, 0, 10], [1.0, 1.0, 0.8, 0.5]),
+    }
+    for kind, (t, k, p) in rows.items():
+        args = (logits, keys, steps, jnp.asarray(t), jnp.asarray(k, jnp.int32), jnp.asarray(p))
+        np.testing.assert_array_equal(np.asarray(sample(*args, kind)), np.asarray(sample(*args)))
+    with pytest.raises(ValueError, match="sampling kind"):
+        sample(*args, "nucleus")
+
+
+def test_command_buffer_flag_is_added_once_and_never_overrides_the_user(monkeypatch):
+    import os
+
+    from minicpm_jax.cli.system import COMMAND_BUFFER_FLAG, enable_command_buffers
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    assert enable_command_buffers() is True
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x " + COMMAND_BUFFER_FLAG
+    assert enable_command_buffers() is False
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+    assert enable_command_buffers() is False and os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer="

@@ -1,0 +1,115 @@
+"""Continuous batching: requests joining a busy batch at different times give exactly the tokens they
+give alone; stops, cancellation and the queue limit free and guard the slots."""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from minicpm_jax.config import ModelConfig
+from minicpm_jax.engine.engine import Engine
+from minicpm_jax.engine.sampling import SamplingParams
+from minicpm_jax.engine.scheduler import QueueFull, Request, Scheduler
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
+from tests.helpers import tiny_minicpm_config
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    config = ModelConfig.from_dict(tiny_minicpm_config())
+    return MiniCPMForCausalLM(config, max_length=96, attention_impl="xla", dtype=jnp.float32, rngs=nnx.Rngs(5))
+
+
+def _request(prompt, budget, sampling=SamplingParams(), stops=(), halt_after=None, record=None):
+    record = record if record is not None else {}
+
+    def on_tokens(new):
+        record.setdefault("blocks", []).append(list(new))
+        return halt_after is not None and sum(map(len, record["blocks"])) >= halt_after
+
+    def on_finish(reason, error):
+        record["finish"], record["error"] = reason, error
+
+    return Request(list(prompt), sampling, budget, list(stops), on_tokens, on_finish), record
+
+
+def test_joining_requests_match_solo_generation(tiny_model):
+    rng = np.random.default_rng(0)
+    vocab = tiny_model.config.vocab_size
+    specs = [(rng.integers(0, vocab, n), b, SamplingParams(temperature=t, seed=s))
+             for n, b, t, s in [(5, 12, 0.0, 0), (40, 7, 0.0, 0), (17, 20, 0.8, 3), (2, 9, 0.0, 0),
+                                (33, 15, 1.0, 9), (9, 3, 0.0, 0), (70, 10, 0.0, 0)]]
+    solo = Engine(tiny_model, batch_size=1, chunk_length=16, decode_block=4)
+    expected = []
+    for prompt, budget, sampling in specs:
+        (res,), _ = solo.generate([list(prompt)], sampling=sampling, max_new_tokens=budget, stop_token_ids=[7])
+        expected.append((res.token_ids, res.finish_reason))
+
+    sched = Scheduler(Engine(tiny_model, batch_size=3, chunk_length=16, decode_block=4), max_queue=16)
+    reqs = [_request(p, b, s, stops=[7]) for p, b, s in specs]
+    # Requests arrive while others are running: two now, the rest one per scheduler step.
+    for req, _ in reqs[:2]:
+        sched.submit(req)
+    pending = list(reqs[2:])
+    steps = 0
+    while pending or sched.active or sched.queued:
+        sched.step()
+        steps += 1
+        if pending:
+            sched.submit(pending.pop(0)[0])
+        assert steps < 200
+    for (req, rec), (ids, finish) in zip(reqs, expected):
+        assert req.output == ids and rec["finish"] == finish and rec["error"] is None
+        assert sum(rec["blocks"], []) == ids
+    assert sched.completed == len(specs) and sched.active == 0
+    assert sched.finished == collections.Counter(f for _, f in expected)
+
+
+def test_host_stop_cancel_and_queue_limit(tiny_model):
+    sched = Scheduler(Engine(tiny_model, batch_size=2, chunk_length=16, decode_block=4), max_queue=1)
+    halted, halted_rec = _request([3, 4, 5], 40, halt_after=6)
+    cancelled, cancelled_rec = _request([6, 7, 8], 40)
+    sched.submit(halted)
+    with pytest.raises(QueueFull):
+        sched.submit(_request([1], 5)[0])
+    sched.step()  # admits `halted`
+    sched.submit(cancelled)
+    sched.step()
+    sched.cancel(cancelled)
+    for _ in range(30):
+        sched.step()
+        if not sched.active:
+            break
+    assert halted_rec["finish"] == "stop" and 6 <= len(halted.output) < 40
+    assert cancelled_rec["finish"] == "cancelled" and len(cancelled.output) < 40
+    assert sched.active == 0 and sched.slots == [None, None]
+    assert sched.finished == collections.Counter({"stop": 1, "cancelled": 1})
+    with pytest.raises(MiniCPMError, match="context"):
+        sched.submit(_request(list(range(96)), 5)[0])
+
+
+def test_scheduler_thread_serves_and_stops(tiny_model):
+    sched = Scheduler(Engine(tiny_model, batch_size=2, chunk_length=16, decode_block=4), max_queue=8)
+    sched.start()
+    finished, all_done = [], threading.Event()
+
+    def on_finish(reason, error):
+        finished.append(reason)
+        if len(finished) == 4:
+            all_done.set()
+
+    for i in range(4):
+        req, _ = _request([i + 1, 2, 3], 6)
+        req.on_finish = on_finish
+        sched.submit(req)
+    assert all_done.wait(120)
+    sched.stop()
+    assert finished == ["length"] * 4
+    with pytest.raises(MiniCPMError, match="shutting down"):
+        sched.submit(_request([1, 2], 3)[0])

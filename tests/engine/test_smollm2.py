@@ -1,0 +1,83 @@
+"""Real weights: SmolLM2-135M-Instruct (GGUF → HF dir) against transformers loading the same GGUF."""
+
+import numpy as np
+import jax.numpy as jnp
+import pytest
+import torch
+
+from minicpm_jax.engine.engine import Engine
+from minicpm_jax.tokenizer import StreamDecoder, encode_prompt, stop_token_ids
+from tests import helpers
+
+pytestmark = pytest.mark.smollm2
+
+TEXT = (
+    "The history of astronomy spans thousands of years. Early civilizations tracked the motions of the Sun, "
+    "the Moon and the planets, built calendars, and predicted eclipses. Later, telescopes revealed moons around "
+    "Jupiter and the phases of Venus, and the laws of motion explained the orbits we observe. Today, space "
+    "telescopes and radio arrays study galaxies billions of light years away."
+)
+CHATS = [
+    "What is the capital of France?",
+    "Explain how a rainbow forms, step by step.",
+    "Give me three tips for learning to program.",
+]
+
+
+def test_logits_match_transformers_on_64_tokens(smollm2_model, smollm2_tokenizer, hf_smollm2):
+    ids = smollm2_tokenizer(TEXT)["input_ids"][:64]
+    assert len(ids) == 64
+    cache = smollm2_model.new_cache(1)
+    logits, _, _ = smollm2_model(jnp.asarray([ids], jnp.int32), cache)
+    with torch.no_grad():
+        ref = hf_smollm2(torch.tensor([ids])).logits[0].numpy()
+    assert helpers.rel_err(np.asarray(logits[0]), ref) < 1e-4
+
+
+def test_greedy_chat_continuations_match_transformers_generate(smollm2_model, smollm2_tokenizer, hf_smollm2, smollm2_dir):
+    tok = smollm2_tokenizer
+    prompts = [encode_prompt(tok, text) for text in CHATS]
+    stops = stop_token_ids(smollm2_model.config, tok, smollm2_dir)
+    assert stops == [2]
+    engine = Engine(smollm2_model, batch_size=3, chunk_length=32, decode_block=16)
+    ours, stats = engine.generate(prompts, max_new_tokens=48, stop_token_ids=stops)
+    assert stats.decode_tokens == sum(len(r.token_ids) - 1 for r in ours)
+    for prompt, res in zip(prompts, ours):
+        with torch.no_grad():
+            out = hf_smollm2.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False, eos_token_id=stops)
+        assert res.token_ids == out[0, len(prompt):].tolist()
+        assert res.finish_reason == ("stop" if res.token_ids[-1] in stops else "length")
+    assert [len(r.token_ids) for r in ours][1:] == [48, 48]  # the long answers are compared in full
+    assert "Paris" in tok.decode(ours[0].token_ids)
+
+
+def test_stream_decoder_reassembles_text(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = tok("Ünïcödé ✓ text — with emoji 🚀 and spaces  twice.")["input_ids"]
+    dec = StreamDecoder(tok)
+    pieces = [dec.push([i]) for i in ids] + [dec.flush()]
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_chat_template_and_plain_prompt(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    chat = encode_prompt(tok, "hi", system_prompt="Be brief.")
+    text = tok.decode(chat)
+    assert "<|im_start|>system\nBe brief.<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+    assert encode_prompt(tok, "hi", use_chat_template=False) == tok("hi")["input_ids"]
+
+
+def test_enable_thinking_reaches_the_chat_template(smollm2_dir):
+    """MiniCPM4.1-style templates branch on enable_thinking; the switch must reach the template."""
+    from minicpm_jax.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n{% endif %}"
+    )
+    off = tok.decode(encode_prompt(tok, "hi", enable_thinking=False))
+    on = tok.decode(encode_prompt(tok, "hi", enable_thinking=True))
+    default = tok.decode(encode_prompt(tok, "hi"))
+    assert off.endswith("<think>\n\n</think>\n") and not on.endswith("</think>\n") and default == on

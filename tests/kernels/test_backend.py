@@ -1,0 +1,77 @@
+"""The kernel-backend switch (``pallas_kernels.backend``): every backend namespace offers the same ops with
+the reference's signature, names resolve as documented, and the model runs every op through the one it
+was built with."""
+
+from __future__ import annotations
+
+import inspect
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from minicpm_jax.config import ModelConfig
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
+from minicpm_jax.quant import QuantSpec
+from pallas_kernels import backend, triton, xla
+from tests.helpers import tiny_minicpm_config
+
+
+def _params(fn):
+    return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.mark.parametrize("name", backend.BACKENDS)
+def test_every_backend_offers_the_same_ops(name):
+    """Identical names: the namespace's public callables are exactly ``backend.OPS``."""
+    ns = backend.get(name)
+    assert sorted(ns.__all__) == sorted(backend.OPS)
+    assert all(callable(getattr(ns, op)) for op in backend.OPS)
+
+
+@pytest.mark.parametrize("op", backend.OPS)
+def test_pallas_ops_take_the_reference_signature(op):
+    """Every Pallas op takes the reference's parameters, in order, plus only keyword-only launch
+    overrides with defaults (config, splits, interpret ...)."""
+    ref, ker = getattr(xla, op), getattr(triton, op)
+    ref_params, ker_params = _params(ref), _params(ker)
+    assert ker_params[: len(ref_params)] == ref_params, (op, ref_params, ker_params)
+    extra = list(inspect.signature(ker).parameters.values())[len(ref_params):]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not inspect.Parameter.empty for p in extra)
+
+
+def test_names_resolve_as_documented():
+    assert backend.resolve("auto", 64) == "xla"  # no GPU here
+    assert backend.resolve("pallas", 64) == "pallas" and backend.resolve("xla", 48) == "xla"
+    with pytest.raises(backend.UnknownBackend, match="'cuda' is not available"):
+        backend.resolve("cuda", 64)
+    with pytest.raises(backend.UnsupportedShape, match="power-of-2 head_dim"):
+        backend.resolve("pallas", 48)
+    config = ModelConfig.from_dict(tiny_minicpm_config(head_dim=12))
+    with pytest.raises(MiniCPMError, match="attention_impl 'pallas' needs a power-of-2 head_dim >= 16"):
+        MiniCPMForCausalLM(config, attention_impl="pallas")
+
+
+def test_the_model_runs_every_op_through_its_backend(monkeypatch):
+    """An int4 model built with ``xla`` calls the xla namespace's attention, KV writer and int4 matmul
+    (counted by wrapping them); the pallas namespace is never touched."""
+    calls = {}
+    for ns in (xla, triton):
+        for op in ("attention", "cache_write", "int4_matmul"):
+            fn = getattr(ns, op)
+
+            def counted(*a, _fn=fn, _key=(ns.__name__, op), **k):
+                calls[_key] = calls.get(_key, 0) + 1
+                return _fn(*a, **k)
+
+            monkeypatch.setattr(ns, op, counted)
+    config = ModelConfig.from_dict(tiny_minicpm_config())
+    model = MiniCPMForCausalLM(config, max_length=32, attention_impl="xla", dtype=jnp.float32, rngs=nnx.Rngs(0),
+                               quant=QuantSpec(group_size=32))
+    logits, _, _ = model(jnp.asarray([[1, 2, 3]]), model.new_cache(1))
+    assert np.isfinite(np.asarray(logits)).all()
+    layers = config.num_layers
+    assert calls == {("pallas_kernels.xla", "attention"): layers, ("pallas_kernels.xla", "cache_write"): layers,
+                     ("pallas_kernels.xla", "int4_matmul"): 4 * layers}

@@ -1,0 +1,204 @@
+"""The W4A16 Pallas kernel (pallas_kernels/int4_matmul.py) against ``x @ W`` in float64 NumPy, W
+dequantized from the format definition (``tests/oracles.py``); the int4 formats themselves:
+``tests/io/test_int4_formats.py``.
+
+The CPU tests run the kernel in Pallas interpret mode; ``test_gpu_*`` runs it compiled at MiniCPM4-8B
+shapes (``pytest -m gpu`` on a GPU machine, skipped elsewhere).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from minicpm_jax.io import int4_formats as int4
+from pallas_kernels import int4_matmul as kern
+from tests import helpers
+from tests.helpers import assert_close, random_gptq_tensors, random_weight
+from tests.oracles import gptq_dequant_oracle
+
+
+# -------------------------------------------------------------------------------------- CPU (interpret mode)
+def _oracle_y(x, w: int4.Int4Weight):
+    return np.asarray(x, np.float64) @ w.dequantize().astype(np.float64)
+
+
+# (k, n, group_size, sym, act_order, m, splits, config)
+_KERNEL_CASES = [
+    pytest.param(256, 128, 32, True, False, 1, None, None, id="sym-g32-m1"),
+    pytest.param(256, 192, 64, False, False, 3, None, None, id="asym-g64-m3-n192"),
+    pytest.param(256, 128, 256, False, False, 20, None, None, id="asym-perchannel-m20"),
+    pytest.param(256, 64, 256, True, False, 1, None, None, id="sym-perchannel-m1"),
+    pytest.param(512, 128, 128, True, True, 3, None, None, id="sym-g128-actorder-m3"),
+    pytest.param(512, 128, 64, False, True, 1, None, None, id="asym-g64-actorder-m1"),
+    pytest.param(512, 128, 128, False, True, 20, None, None, id="asym-g128-actorder-m20"),
+    pytest.param(256, 128, 64, True, False, 1, 2, None, id="splits2-m1"),
+    pytest.param(256, 128, 32, False, False, 20, 2, None, id="splits2-m20"),
+    pytest.param(512, 128, 64, False, False, 3, None, kern.Int4Config(16, 64, 256, 4, 3), id="blockk256-g64-m3"),
+    pytest.param(512, 128, 64, True, True, 1, 2, kern.Int4Config(1, 128, 256, 4, 2), id="blockk256-g64-splits2-m1"),
+]
+
+
+@pytest.mark.parametrize("k,n,gs,sym,act_order,m,splits,config", _KERNEL_CASES)
+def test_int4_matmul_matches_numpy(k, n, gs, sym, act_order, m, splits, config):
+    rng = np.random.default_rng(k + n + gs + m + 7 * sym + 11 * act_order)
+    w = random_weight(rng, k, n, gs, sym=sym, act_order=act_order)
+    e = int4.to_engine(w)
+    assert ("perm" in e) == act_order and ("zeros" in e) == (not sym)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    want = _oracle_y(x, w)
+    arrays = {name: jnp.asarray(a) for name, a in e.items()}
+
+    ref = kern.int4_matmul_reference(jnp.asarray(x), **arrays, group_size=gs)
+    assert ref.dtype == jnp.float32 and ref.shape == (m, n)
+    assert_close(ref, want, 1e-5)
+
+    if config is not None:  # the override really is used as given (block_k spans several groups)
+        cfg, _ = kern.choose_config(m, k, n, gs, config)
+        assert cfg.block_k == config.block_k > gs
+    y = kern.int4_matmul(jnp.asarray(x), **arrays, group_size=gs, config=config, splits=splits)
+    assert y.dtype == jnp.float32 and y.shape == (m, n)
+    assert_close(y, want, 1e-5)
+
+    # dequantize: rows in stored (group-sorted) order, columns natural
+    stored = int4.sort_by_group(w)[0]
+    deq = kern.dequantize(arrays["qweight"], arrays["scales"], arrays.get("zeros"), group_size=gs)
+    np.testing.assert_allclose(np.asarray(deq), stored.dequantize(), rtol=1e-6, atol=0)
+
+
+def test_int4_matmul_leading_dims_and_gptq_checkpoint():
+    """From GPTQ v1 tensors with act-order all the way to the kernel; x with two leading dims."""
+    rng = np.random.default_rng(15)
+    k, n, gs = 256, 128, 64
+    _, qweight, qzeros, scales, g_idx = random_gptq_tensors(rng, k, n, gs, sym=False, fmt="gptq", act_order=True)
+    w = int4.gptq_unpack(qweight, qzeros, scales, g_idx, group_size=gs, sym=False)
+    e = {name: jnp.asarray(a) for name, a in int4.to_engine(w).items()}
+    x = rng.standard_normal((2, 3, k)).astype(np.float32)
+    dense = gptq_dequant_oracle(qweight, qzeros, scales, g_idx, "gptq")
+    want = (x.reshape(6, k).astype(np.float64) @ dense).reshape(2, 3, n)
+    y = kern.int4_matmul(jnp.asarray(x), **e, group_size=gs)
+    assert y.shape == (2, 3, n)
+    assert_close(y, want, 1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 20])
+def test_int4_matmul_bf16(m):
+    """bf16 activations, scales and zeros (the model dtype) against the fp32 result."""
+    rng = np.random.default_rng(16 + m)
+    k, n, gs = 256, 128, 64
+    w = random_weight(rng, k, n, gs, sym=False, act_order=True)
+    e = int4.to_engine(w)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    want = _oracle_y(x, w)
+    bf = {name: jnp.asarray(a, jnp.bfloat16) if name in ("scales", "zeros") else jnp.asarray(a)
+          for name, a in e.items()}
+    xb = jnp.asarray(x, jnp.bfloat16)
+    y = kern.int4_matmul(xb, **bf, group_size=gs)
+    ref = kern.int4_matmul_reference(xb, **bf, group_size=gs)
+    assert y.dtype == jnp.bfloat16 and ref.dtype == jnp.bfloat16
+    assert_close(np.asarray(y, np.float32), want, 3e-2)
+    assert_close(np.asarray(ref, np.float32), want, 3e-2)
+    assert helpers.rel_err(np.asarray(y, np.float32), want) < 1e-2
+
+
+# (k, n, group_size, sym, act_order, m, kernel, config)
+_PLANE_CASES = [
+    pytest.param(256, 128, 32, True, False, 1, "planes", None, id="gemv-g32"),
+    pytest.param(512, 256, 128, False, True, 1, "planes", kern.Int4Config(1, 64, 256, 4, 2), id="gemv-asym-actorder-k256"),
+    pytest.param(256, 128, 256, False, False, 1, "planes", None, id="gemv-asym-perchannel"),
+    pytest.param(512, 128, 128, True, False, 5, "planes", None, id="dot-m5"),
+    pytest.param(512, 256, 128, False, True, 16, "planes", kern.Int4Config(16, 64, 256, 4, 2), id="dot-asym-actorder-k256"),
+    pytest.param(256, 128, 256, False, False, 20, "planes", None, id="dot-asym-perchannel-m20"),
+    pytest.param(512, 128, 128, True, True, 40, "planes_t", None, id="dot_t-actorder-m40"),
+    pytest.param(512, 256, 128, False, False, 33, "planes_t", kern.Int4Config(32, 128, 256, 4, 2), id="dot_t-asym-bm32"),
+]
+
+
+@pytest.mark.parametrize("k,n,gs,sym,act_order,m,kernel,config", _PLANE_CASES)
+def test_int4_plane_kernels_match_numpy(k, n, gs, sym, act_order, m, kernel, config):
+    """The nibble-plane kernels (one-row GEMV, tensor-core dot and its transposed form) against a NumPy
+    dequantization, with zero points, act-order, sub-blocks shorter than the group, rows padded to the tile."""
+    rng = np.random.default_rng(k + n + gs + m + 3 * sym + 5 * act_order)
+    w = random_weight(rng, k, n, gs, sym=sym, act_order=act_order)
+    arrays = {name: jnp.asarray(a) for name, a in int4.to_engine(w).items()}
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = kern.int4_matmul(jnp.asarray(x), **arrays, group_size=gs, kernel=kernel, config=config,
+                         splits=2 if m == 1 else None)
+    assert y.dtype == jnp.float32 and y.shape == (m, n)
+    assert_close(y, _oracle_y(x, w), 1e-5)
+
+
+def test_int4_default_kernel_choice():
+    """One row, and 2..64 rows with scale groups of >= 128, take the plane kernels; the rest the tile
+    kernel."""
+    assert kern.default_kernel(1, 128) == kern.default_kernel(1, 32) == "planes"
+    assert kern.default_kernel(2, 128) == kern.default_kernel(16, 4096) == "planes"
+    assert kern.default_kernel(17, 128) == kern.default_kernel(64, 128) == "planes_t"
+    assert kern.default_kernel(65, 128) == "tile"
+    assert kern.default_kernel(16, 64) == "tile"
+    rng = np.random.default_rng(19)
+    e = {name: jnp.asarray(a) for name, a in int4.to_engine(random_weight(rng, 256, 64, 64)).items()}
+    with pytest.raises(ValueError, match="128 input rows"):
+        kern.int4_matmul(jnp.zeros((16, 256)), **e, group_size=64, kernel="planes")
+    e = {name: jnp.asarray(a) for name, a in int4.to_engine(random_weight(rng, 256, 64, 128)).items()}
+    with pytest.raises(ValueError, match="unknown int4 kernel"):
+        kern.int4_matmul(jnp.zeros((16, 256)), **e, group_size=128, kernel="gemlite")
+
+
+@pytest.mark.parametrize("k,gs", [(96, 12)])
+def test_int4_matmul_rejects_group_sizes_it_cannot_tile(k, gs):
+    rng = np.random.default_rng(18)
+    w = random_weight(rng, k, 64, gs, sym=True)
+    e = {name: jnp.asarray(a) for name, a in int4.to_engine(w).items()}
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    with pytest.raises(ValueError, match="not a multiple"):
+        kern.int4_matmul(jnp.asarray(x), **e, group_size=gs)
+    # the reference has no tiling constraint
+    assert_close(kern.int4_matmul_reference(jnp.asarray(x), **e, group_size=gs), _oracle_y(x, w), 1e-5)
+
+
+def test_int4_matmul_rejects_mismatched_inputs():
+    rng = np.random.default_rng(17)
+    e = int4.to_engine(random_weight(rng, 128, 64, 32))
+    with pytest.raises(ValueError, match="features"):
+        kern.int4_matmul(jnp.zeros((1, 64)), e["qweight"], e["scales"], group_size=32)
+    with pytest.raises(ValueError, match="scales"):
+        kern.int4_matmul(jnp.zeros((1, 128)), e["qweight"], e["scales"], group_size=64)
+
+
+# ----------------------------------------------------------------------------------- 6. GPU
+_GPU_CASES = [  # (m, sym, act_order); 2..64 rows run the plane kernels
+    (1, True, False),
+    (16, True, False),
+    (64, False, False),
+    (1, False, True),
+    (5, False, True),
+    (32, True, True),
+    (100, True, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,sym,act_order", _GPU_CASES)
+def test_gpu_int4_matmul_minicpm4_8b_shapes(m, sym, act_order):
+    """Compiled kernel (bf16) at the MiniCPM4-8B qkv shape (K=4096, N=4096+2·256, g128)."""
+    rng = np.random.default_rng(m + 3 * sym + 5 * act_order)
+    k, n, gs = 4096, 4608, 128
+    w = random_weight(rng, k, n, gs, sym=sym, act_order=act_order)
+    e = int4.to_engine(w)
+    arrays = {name: jnp.asarray(a, jnp.bfloat16) if name in ("scales", "zeros") else jnp.asarray(a)
+              for name, a in e.items()}
+    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32), jnp.bfloat16)
+    y = kern.int4_matmul(x, **arrays, group_size=gs, interpret=False)
+    ref = kern.int4_matmul_reference(x, **arrays, group_size=gs)
+    exact = kern.int4_matmul_reference(x.astype(jnp.float32), **arrays, group_size=gs)
+    y, ref, exact = (np.asarray(a, np.float32) for a in (y, ref, exact))
+    assert y.shape == (m, n) and np.all(np.isfinite(y))
+    # the fp32 reference against a host oracle: x and the scales rounded to bf16 like the device inputs
+    scales_bf16 = np.asarray(jnp.asarray(w.scales, jnp.bfloat16), np.float32)
+    host = int4.Int4Weight(w.q, scales_bf16, w.zeros, w.g_idx, gs)
+    assert_close(exact, np.asarray(x, np.float64) @ host.dequantize().astype(np.float64), 1e-4)
+    assert_close(y, exact, 1e-2)
+    assert_close(ref, exact, 1e-2)
+    assert helpers.rel_err(y, exact) < 5e-3
