@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.flash import (
     LOG2E,
     attend_block,
+    attend_values,
     check_shapes,
     empty_carry,
     group_rows,
@@ -71,7 +72,7 @@ def attention_reference(
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(visible[:, None, None], probs, 0.0)  # rows with nothing visible give 0, not NaN
-    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = attend_values(probs, v)
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 

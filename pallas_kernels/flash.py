@@ -135,6 +135,16 @@ def pad_query_blocks(q: jax.Array, q_positions: jax.Array, block_q: int) -> tupl
     return q, q_positions, block_q
 
 
+def attend_values(probs: jax.Array, v: jax.Array) -> jax.Array:
+    """The jnp references' ``probs [B, KVH, G, T, S] @ v [B, KVH, S, D]`` → fp32 ``[B, T, KVH, G, D]``.
+
+    The product is taken in ``[B, KVH, G, T, D]`` order and transposed after: asked for the ``[B, T, KVH,
+    G, D]`` output directly, XLA's CPU runtime rejects a bf16 x bf16 = f32 dot with two batch dimensions
+    of size > 1 (``Unsupported element type for DotThunk``: every bf16 batch of 2+ on CPU)."""
+    out = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.transpose(0, 3, 1, 2, 4)
+
+
 def prefill_tiles(q, k, v, q_positions, kv_lengths, *, layer: int | None, config: KernelConfig | None):
     """The common start of the kernels on the prefill grid (batch, query head, query block): the stacked
     caches and the layer to read (:func:`layer_view`), checked shapes, the launch config (default: the tuned

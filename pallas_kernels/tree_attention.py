@@ -37,6 +37,7 @@ from pallas_kernels.attention import decode_splits
 from pallas_kernels.flash import (
     LOG2E,
     attend_block,
+    attend_values,
     check_shapes,
     empty_carry,
     group_rows,
@@ -72,7 +73,7 @@ def tree_attention_reference(
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(visible[:, None, None], probs, 0.0)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = attend_values(probs, v)
     return out.reshape(b, n, h, d).astype(q.dtype)
 
 

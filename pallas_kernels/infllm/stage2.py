@@ -25,6 +25,7 @@ from pallas_kernels.flash import (
     LOG2E,
     MIN_ROWS,
     attend_block,
+    attend_values,
     empty_carry,
     group_tiles,
     key_block,
@@ -71,7 +72,7 @@ def block_sparse_attention_reference(
     scores = jnp.where(visible[:, :, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(visible[:, :, None], probs, 0.0)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = attend_values(probs, v)
     out = out.reshape(b, t, h, d).astype(q.dtype)
     if not return_lse:
         return out
@@ -184,7 +185,7 @@ def local_window_attention_reference(
     scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jnp.where(visible[:, None, None], jax.nn.softmax(scores, axis=-1), 0.0)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = attend_values(probs, v)
     lse = jax.nn.logsumexp(scores, axis=-1)  # [B, KVH, G, T]
     return out.reshape(b, t, h, d).astype(q.dtype), lse.transpose(0, 3, 1, 2).reshape(b, t, h)
 

@@ -96,6 +96,18 @@ def test_multi_turn_prefix_reuse_equals_fresh_run(engine):
     assert d.token_ids == c_fresh.token_ids
 
 
+def test_bf16_batch_runs_on_cpu_and_rows_are_batch_invariant(tiny_ckpt):
+    """A bf16 model with two rows runs on the CPU (XLA's CPU runtime once refused the references' batched
+    bf16 dots) and each row generates its solo tokens."""
+    model = load_model(tiny_ckpt[0], dtype=jnp.bfloat16, max_length=MAX_LEN, attention_impl="xla")
+    batch = Engine(model, batch_size=2, chunk_length=16, decode_block=4)
+    prompts = [PROMPT, PROMPT[:4]]
+    both, _ = batch.generate(prompts, max_new_tokens=8)
+    for i, prompt in enumerate(prompts):
+        [alone], _ = batch.generate([prompt], max_new_tokens=8)
+        assert both[i].token_ids == alone.token_ids
+
+
 def test_prompt_longer_than_max_length_is_rejected(engine):
     with pytest.raises(MiniCPMError, match="max_length is 64"):
         engine.generate([list(range(3, 3 + MAX_LEN))])

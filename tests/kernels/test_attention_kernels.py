@@ -14,7 +14,9 @@ import pytest
 from pallas_kernels.attention import attention_reference, decode_attention, decode_splits, prefill_attention
 from pallas_kernels.cache_write import cache_write, cache_write_reference
 from pallas_kernels.flash import merge_splits, merge_splits_rows
+from pallas_kernels.infllm.stage2 import block_sparse_attention_reference, local_window_attention_reference
 from pallas_kernels.launch import TUNED, KernelConfig
+from pallas_kernels.tree_attention import tree_attention_reference
 from tests.helpers import abstract_gpu_mesh, cache_write_inputs
 
 SMALL = KernelConfig(block_q=16, block_k=16, num_warps=4, num_stages=2)
@@ -228,3 +230,27 @@ def test_cache_write_kernel_rejects_mismatched_shapes():
         cache_write(kc, vc, kn[..., :8], vn[..., :8], slots, layer=0, interpret=True)
     with pytest.raises(ValueError, match="do not match"):
         cache_write(kc, vc, kn, vn, slots[:, :2], layer=0, interpret=True)
+
+
+def test_references_take_bf16_batches_on_cpu():
+    """The jnp references (the xla backend) run bf16 batches of 2 (XLA's CPU runtime once refused their
+    batched bf16 x bf16 = f32 dot) and agree with their fp32 runs within bf16 rounding."""
+    rng = np.random.default_rng(5)
+    b, t, h, kvh, s, d = 2, 3, 8, 2, 32, 16
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((b, t, h, d), (b, kvh, s, d), (b, kvh, s, d)))
+    pos = np.array([[20, 21, 22], [9, 10, 11]], np.int32)
+    lengths = pos[:, -1] + 1
+    blocks = np.broadcast_to(np.array([0, 2, -1], np.int32), (b, kvh, t, 3))
+    mask = np.tril(np.ones((b, t, t), bool))
+    calls = {
+        "attention": lambda q, k, v: attention_reference(q, k, v, pos, lengths, scale=0.25),
+        "tree": lambda q, k, v: tree_attention_reference(q, k, v, pos[:, 0], mask, scale=0.25),
+        "block_sparse": lambda q, k, v: block_sparse_attention_reference(q, k, v, pos, lengths, blocks, scale=0.25,
+                                                                         block_size=8),
+        "window": lambda q, k, v: local_window_attention_reference(q, k, v, pos, lengths, scale=0.25, block_size=8,
+                                                                   local_blocks=1)[0],
+    }
+    for name, call in calls.items():
+        ref = np.asarray(call(*(jnp.asarray(x) for x in (q, k, v))))
+        got = np.asarray(call(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))), np.float32)
+        assert np.abs(got - ref).max() < 5e-2, name
