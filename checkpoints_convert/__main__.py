@@ -45,7 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     z.add_argument("--src", required=True, help="dense HF model directory")
     z.add_argument("--dst", required=True, help="output directory (a standard GPTQ checkpoint)")
     z.add_argument("--method", default="gptq", choices=["rtn", "gptq"], help="round-to-nearest or GPTQ")
-    z.add_argument("--group_size", type=int, default=128, help="input rows per scale group; -1 = per-channel")
+    z.add_argument("--group_size", type=int, default=None,
+                   help="input rows per scale group; -1 = per-channel (default: 128, or the largest multiple of 16 "
+                        "below it that divides every linear's input width)")
     z.add_argument("--asym", action="store_true", help="asymmetric codes with zero points (default symmetric)")
     z.add_argument("--desc_act", action="store_true", help="GPTQ act-order (rows by decreasing Hessian diagonal)")
     z.add_argument("--calibration_file", help="UTF-8 text for GPTQ's Hessians (required for --method gptq)")

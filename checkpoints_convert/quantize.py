@@ -36,9 +36,10 @@ from minicpm_jax.io.names import DECODER_LINEARS, resolve_tied_head
 from minicpm_jax.io.safetensors import TensorReader, safetensors_files
 from minicpm_jax.model.cache import KVCache
 from minicpm_jax.model.loading import load_model
-from minicpm_jax.quant import QuantSpec
+from minicpm_jax.quant import QuantSpec, fitting_group_sizes
 
 METHODS = ("rtn", "gptq")
+DEFAULT_GROUP_SIZE = 128
 
 
 @dataclasses.dataclass
@@ -175,7 +176,28 @@ def rtn_weights(model, spec: QuantSpec) -> dict[tuple, int4.Int4Weight]:
     return out
 
 
-def quantize_checkpoint(src: str, dst: str, *, method: str = "gptq", group_size: int = 128, sym: bool = True,
+def _group_size(config: ModelConfig, requested: int | None) -> int:
+    """The scale group size to quantize with: ``requested``, which must divide every linear's input width,
+    or (None) 128, else the largest multiple of 16 below it that divides them (said on stderr)."""
+    widths = sorted({config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim})
+    fits = fitting_group_sizes(widths, DEFAULT_GROUP_SIZE)
+    choices = ", ".join(map(str, fits)) + (" or " if fits else "") + "-1 (per-channel)"
+    if requested is not None:
+        QuantSpec(group_size=requested)  # -1 or a positive multiple of 16
+        if requested == -1 or all(k % requested == 0 for k in widths):
+            return requested
+        raise MiniCPMError(f"--group_size {requested} does not divide this model's linear widths "
+                           f"({', '.join(map(str, widths))}); sizes that fit: {choices}")
+    if not fits:
+        raise MiniCPMError(f"no group size up to {DEFAULT_GROUP_SIZE} divides this model's linear widths "
+                           f"({', '.join(map(str, widths))}); pass --group_size -1 (per-channel)")
+    if fits[0] != DEFAULT_GROUP_SIZE:
+        print(f"note: group size {DEFAULT_GROUP_SIZE} does not divide this model's linear widths "
+              f"({', '.join(map(str, widths))}); quantizing with group size {fits[0]}", file=sys.stderr)
+    return fits[0]
+
+
+def quantize_checkpoint(src: str, dst: str, *, method: str = "gptq", group_size: int | None = None, sym: bool = True,
                         desc_act: bool = False, calibration_file: str | None = None,
                         settings: GPTQSettings | None = None, checkpoint_format: str = "auto",
                         overwrite: bool = False, progress: bool = True) -> QuantSpec:
@@ -200,14 +222,12 @@ def quantize_checkpoint(src: str, dst: str, *, method: str = "gptq", group_size:
         raise MiniCPMError("--asym needs --checkpoint_format gptq_v2 (or auto, the default): checkpoint_format "
                            "gptq (v1) stores zero points minus one in 4 bits and cannot store a zero point of 0")
     check_destination(dst, overwrite)
-    spec = QuantSpec(group_size=group_size, sym=sym, act_order=desc_act)
     config = ModelConfig.from_pretrained(src)
     files = safetensors_files(src)
     config = resolve_tied_head(config, set(files))
     if hf_checkpoint_quant(src, config, files) is not None:
         raise MiniCPMError(f"{src} is already quantized; quantize a dense (bf16/fp16/fp32) checkpoint")
-    for k in {config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim}:
-        spec.rows_per_group(k)
+    spec = QuantSpec(group_size=_group_size(config, group_size), sym=sym, act_order=desc_act)
     model = load_model(src, dtype=jnp.float32, attention_impl="xla", max_length=max(settings.seq_length, 2),
                        sparse="off")  # calibration layers run on plain KV caches
     if method == "rtn":

@@ -67,6 +67,12 @@ class QuantSpec:
             raise MiniCPMError(f"bad int4 settings {raw!r}: {e}") from None
 
 
+def fitting_group_sizes(in_features, at_most: int = 128) -> list[int]:
+    """The int4 group sizes up to ``at_most`` (multiples of 16, largest first) that divide every one of
+    ``in_features`` (the K of each linear of a model)."""
+    return [g for g in range(at_most - at_most % 16, 0, -16) if all(k % g == 0 for k in in_features)]
+
+
 def scale_dtype(dtype) -> np.dtype:
     """Dtype of int4 scales (and zero points) for a model in ``dtype``: float16 for half-precision models
     (GPTQ's own scale dtype, so checkpoint scales are kept exactly), float32 otherwise."""

@@ -52,3 +52,9 @@ def resolve(name: str, head_dim: int) -> str:
                                f"{head_dim} (use xla)")
     return name
 
+
+
+def interprets(name: str) -> bool:
+    """Whether backend ``name``'s kernels run in Pallas interpret mode here (no GPU): correct, but meant for
+    tests, and orders of magnitude slower than the references."""
+    return get(name) is triton and jax.default_backend() != "gpu"

@@ -12,6 +12,7 @@ from absl import flags
 
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.attention import ATTENTION_CHOICES
+from pallas_kernels import backend
 
 FLAGS = flags.FLAGS
 _M, _S, _SP = "model", "system", "speculative"
@@ -155,6 +156,10 @@ def load_from_flags(*, progress: bool = True):
                        sparse=FLAGS.sparse, sparse_overrides=dict(topk=FLAGS.sparse_topk, window_size=FLAGS.sparse_window,
                                                                   dense_len=FLAGS.dense_len))
     tokenizer = load_tokenizer(model_path)
+    if backend.interprets(model.attention_impl):
+        print(f"warning: --attention_impl {model.attention_impl} without a GPU runs the Pallas kernels in interpret "
+              "mode, meant for tests: expect minutes per token (use --attention_impl auto or xla)",
+              file=sys.stderr, flush=True)
     return model_path, model, tokenizer, time.perf_counter() - t0
 
 

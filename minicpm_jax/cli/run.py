@@ -74,6 +74,8 @@ def _validate() -> None:
         raise MiniCPMError("give --prompt_text or --prompt_file, not both")
     if FLAGS.prompt_file is not None and not os.path.isfile(FLAGS.prompt_file):
         raise MiniCPMError(f"--prompt_file {FLAGS.prompt_file!r} does not exist")
+    if not FLAGS.interactive:
+        _prompt_text()  # an unreadable or empty prompt is refused before the model loads
     if FLAGS.interactive and FLAGS.json_output:
         raise MiniCPMError("--interactive and --json_output cannot be combined")
     if FLAGS.model_path is not None and not os.path.exists(FLAGS.model_path):
@@ -83,13 +85,20 @@ def _validate() -> None:
 
 
 def _prompt_text() -> str:
+    """The one-shot prompt (--prompt_file, --prompt_text, or a default question); MiniCPMError when it is
+    unreadable or empty."""
     if FLAGS.prompt_file is not None:
         try:
             with open(FLAGS.prompt_file, encoding="utf-8") as f:
-                return f.read()
+                text = f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise MiniCPMError(f"cannot read --prompt_file: {e}") from None
-    return FLAGS.prompt_text if FLAGS.prompt_text is not None else "Who are you?"
+    else:
+        text = FLAGS.prompt_text if FLAGS.prompt_text is not None else "Who are you?"
+    if not text.strip():
+        where = f"--prompt_file {FLAGS.prompt_file!r}" if FLAGS.prompt_file is not None else "--prompt_text"
+        raise MiniCPMError(f"the prompt is empty ({where}); give some text")
+    return text
 
 
 # ----------------------------------------------------------------------------- output
@@ -185,8 +194,8 @@ class Runner:
         if not stream:
             sys.stdout.write(text)
         sys.stdout.write("\n")
-        if FLAGS.stats:
-            print(("" if FLAGS.plain_output else "\n") + format_stats(stats, FLAGS.plain_output))
+        if FLAGS.stats:  # diagnostics go to stderr: stdout carries the text alone
+            print(("" if FLAGS.plain_output else "\n") + format_stats(stats, FLAGS.plain_output), file=sys.stderr)
 
     def interactive(self) -> None:
         system = [{"role": "system", "content": FLAGS.system_prompt}] if FLAGS.system_prompt else []

@@ -28,7 +28,7 @@ def test_demo_answers_and_prints_stats(smollm2_dir):
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     for line in ("Performance Summary", "Prefill length", "Prefill speed", "Decode length", "Decode speed"):
-        assert line in r.stdout
+        assert line in r.stderr and line not in r.stdout  # text on stdout, diagnostics on stderr
     assert "Traceback" not in r.stderr
 
 
@@ -109,6 +109,12 @@ def test_missing_prompt_file(tmp_path):
     _assert_one_line_error(_run("--prompt_file", str(tmp_path / "p.txt")), "--prompt_file")
 
 
+def test_empty_prompt_is_refused_before_loading(tmp_path):
+    _assert_one_line_error(_run("--prompt_text", ""), "the prompt is empty (--prompt_text)")
+    (tmp_path / "p.txt").write_text(" \n")
+    _assert_one_line_error(_run("--prompt_file", str(tmp_path / "p.txt")), "the prompt is empty (--prompt_file")
+
+
 @pytest.mark.smollm2
 def test_prompt_longer_than_context(smollm2_dir):
     r = _run("--prompt_text", "word " * 300, "--max_length", "128")
@@ -125,6 +131,7 @@ def test_pallas_attention_flag_gives_the_xla_tokens(smollm2_dir):
         assert r.returncode == 0, r.stderr
         outs[impl] = json.loads(r.stdout)
         assert outs[impl]["attention_impl"] == impl
+        assert ("interpret mode" in r.stderr) == (impl == "pallas")  # the slow path is announced
     assert outs["pallas"]["token_ids"] == outs["xla"]["token_ids"]
     assert "Paris" in outs["pallas"]["text"]
 

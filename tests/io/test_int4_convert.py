@@ -190,8 +190,8 @@ def _fails(capsys, *args) -> str:
 def test_converter_bad_input(tiny_ckpt, tmp_path, capsys):
     src = tiny_ckpt[0]
     assert "needs --calibration_file" in _fails(capsys, "quantize", "--src", src, "--dst", tmp_path / "a")
-    assert "does not divide" in _fails(capsys, "quantize", "--src", src, "--dst", tmp_path / "a", "--method", "rtn",
-                                       "--group_size", "128")
+    assert "does not divide this model's linear widths (64, 96, 128); sizes that fit: 32, 16 or -1" in _fails(
+        capsys, "quantize", "--src", src, "--dst", tmp_path / "a", "--method", "rtn", "--group_size", "128")
     assert "multiple of 16" in _fails(capsys, "quantize", "--src", src, "--dst", tmp_path / "a", "--method", "rtn",
                                       "--group_size", "24")
     assert "only applies to --method gptq" in _fails(capsys, "quantize", "--src", src, "--dst", tmp_path / "a",
@@ -204,9 +204,12 @@ def test_converter_bad_input(tiny_ckpt, tmp_path, capsys):
         "gptq")  # refused before any work (v1 cannot store a zero point of 0)
     assert not os.path.exists(tmp_path / "e")
     asym = tmp_path / "asym"
-    _convert("quantize", "--src", src, "--dst", asym, "--method", "rtn", "--group_size", "32", "--asym")
+    capsys.readouterr()
+    _convert("quantize", "--src", src, "--dst", asym, "--method", "rtn", "--asym")  # default group size: 128 ...
+    assert "quantizing with group size 32" in capsys.readouterr().err  # ... does not fit: the largest that does
     with open(asym / "config.json") as f:  # --checkpoint_format auto: v2 for asymmetric codes
-        assert json.load(f)["quantization_config"]["checkpoint_format"] == "gptq_v2"
+        config = json.load(f)["quantization_config"]
+    assert config["checkpoint_format"] == "gptq_v2" and config["group_size"] == 32
     assert "already quantized" in _fails(capsys, "quantize", "--src", asym, "--dst", tmp_path / "c", "--method", "rtn")
     assert "sym=true" in _fails(capsys, "gptq", "--src", asym, "--dst", tmp_path / "c", "--layout", "marlin")
     assert "already exists" in _fails(capsys, "quantize", "--src", src, "--dst", asym, "--method", "rtn")

@@ -45,6 +45,7 @@ def test_pallas_ops_take_the_reference_signature(op):
 def test_names_resolve_as_documented():
     assert backend.resolve("auto", 64) == "xla"  # no GPU here
     assert backend.resolve("pallas", 64) == "pallas" and backend.resolve("xla", 48) == "xla"
+    assert backend.interprets("pallas") and not backend.interprets("xla")  # the CLI warns of the first
     with pytest.raises(backend.UnknownBackend, match="'cuda' is not available"):
         backend.resolve("cuda", 64)
     with pytest.raises(backend.UnsupportedShape, match="power-of-2 head_dim"):
