@@ -28,6 +28,7 @@ from minicpm_jax.cli.flags import (
     apply_system_flags, fail, load_from_flags, make_engine, sparse_description, speculative_description,
     validate_model_flags, weights_description,
 )
+from minicpm_jax.cli.system import exit_on_interrupt, raise_on_interrupt
 from minicpm_jax.tokenizer import TextStream
 
 FLAGS = flags.FLAGS
@@ -224,6 +225,11 @@ class Runner:
                 messages.pop()
                 print(f"\nerror: {e}", file=sys.stderr)
                 continue
+            except KeyboardInterrupt:  # Ctrl-C stops this reply, not the chat
+                messages.pop()
+                self.engine.reset()  # the interrupted turn's cache state is dropped; the next turn prefills anew
+                print("\n(interrupted)", file=sys.stderr)
+                continue
             messages.append({"role": "assistant", "content": text})
             print()
             if FLAGS.stats:
@@ -237,9 +243,11 @@ def main(argv) -> None:
     if len(argv) > 1:
         fail(f"unexpected arguments {' '.join(argv[1:])!r}; put the prompt in --prompt_text")
     try:
+        exit_on_interrupt()  # until the model is loaded and compiled steps can be interrupted cleanly
         _validate()
         apply_system_flags()
         runner = Runner()
+        raise_on_interrupt()
         runner.interactive() if FLAGS.interactive else runner.one_shot()
     except MiniCPMError as e:
         fail(str(e))

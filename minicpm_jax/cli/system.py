@@ -4,6 +4,8 @@ the persistent compilation cache."""
 from __future__ import annotations
 
 import os
+import signal
+import sys
 
 # Kernels XLA may record into CUDA graphs. WHILE and CONDITIONAL put the decode loop's body (and a
 # speculative round) into one graph instead of launching each of its hundreds of small kernels from the
@@ -29,3 +31,21 @@ def enable_compilation_cache() -> None:
 
     jax.config.update("jax_compilation_cache_dir", os.path.join(cache_dir(), "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+def _exit_now(signum, frame) -> None:
+    sys.stderr.write("\ninterrupted\n")
+    sys.stderr.flush()
+    os._exit(130)
+
+
+def exit_on_interrupt() -> None:
+    """Ctrl-C ends the process at once (exit 130): for the loading phase, where a KeyboardInterrupt raised
+    inside a garbage-collection callback of XLA's would be printed as "Exception ignored" and swallowed.
+    Loading writes nothing that an exit could leave half-done (conversions are atomic)."""
+    signal.signal(signal.SIGINT, _exit_now)
+
+
+def raise_on_interrupt() -> None:
+    """Ctrl-C raises KeyboardInterrupt again (Python's default), for phases that handle it."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -123,7 +123,9 @@ class Engine:
         """Forgets every cached sequence, or those of the slots where ``rows[B]`` is True (buffers are not
         cleared)."""
         if rows is None:
-            self.cache = self.cache.reset()
+            # A step interrupted between launch and return (Ctrl-C) can leave the cache pointing at donated
+            # buffers: start from a fresh one then.
+            self.cache = self.model.new_cache(self.batch_size) if self.cache.k.is_deleted() else self.cache.reset()
             self.history = [[] for _ in range(self.batch_size)]
         else:
             rows = np.asarray(rows, bool)

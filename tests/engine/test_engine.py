@@ -108,6 +108,17 @@ def test_bf16_batch_runs_on_cpu_and_rows_are_batch_invariant(tiny_ckpt):
         assert both[i].token_ids == alone.token_ids
 
 
+def test_reset_recovers_from_a_donated_cache(engine):
+    """A step interrupted between launch and return (Ctrl-C in a chat) can leave the engine holding donated
+    buffers; reset() then starts from a fresh cache and generation gives the same tokens."""
+    [ref], _ = engine.generate([PROMPT], max_new_tokens=6)
+    for leaf in jax.tree.leaves(engine.cache):
+        leaf.delete()
+    engine.reset()
+    [again], _ = engine.generate([PROMPT], max_new_tokens=6)
+    assert again.token_ids == ref.token_ids
+
+
 def test_prompt_longer_than_max_length_is_rejected(engine):
     with pytest.raises(MiniCPMError, match="max_length is 64"):
         engine.generate([list(range(3, 3 + MAX_LEN))])

@@ -99,8 +99,12 @@ class EagleSteps:
         return self.compiled.compile_time
 
     def reset(self, rows: np.ndarray | None = None) -> None:
-        """Forgets the draft's cached pairs (of the slots ``rows``, or all)."""
-        self.dcache = self.dcache.reset(None if rows is None else jnp.asarray(rows))
+        """Forgets the draft's cached pairs (of the slots ``rows``, or all; a fresh cache if an interrupted
+        step left it donated)."""
+        if rows is None and self.dcache.k.is_deleted():
+            self.dcache = self.draft.new_cache(self.batch_size, self.dcache.max_length)
+        else:
+            self.dcache = self.dcache.reset(None if rows is None else jnp.asarray(rows))
 
     def truncate(self, lengths: Sequence[int]) -> None:
         # Draft pair t = (f_t, x_{t+1}) is valid while x_{t+1} is cached; the tail prefill restarts at the
