@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import sys
 import time
 import uuid
@@ -362,6 +363,7 @@ def _serve() -> None:
             raise MiniCPMError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
     if FLAGS.max_queue < 0 or not 0 < FLAGS.port < 65536:
         raise MiniCPMError("--max_queue must be >= 0 and --port in 1..65535")
+    sock = listening_socket(FLAGS.host, FLAGS.port)  # before the model loads: a busy port fails at once
     apply_system_flags()
     model_path, model, tokenizer, load_s = load_from_flags(progress=True)
     engine = Engine(model, batch_size=FLAGS.max_batch_size, chunk_length=FLAGS.chunk_length,
@@ -379,9 +381,29 @@ def _serve() -> None:
     application = create_app(scheduler, tokenizer, model_name=name, stop_ids=stops, api_key=FLAGS.api_key,
                              max_body_bytes=FLAGS.max_body_bytes)
     try:
-        uvicorn.run(application, host=FLAGS.host, port=FLAGS.port, log_level="warning", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(application, log_level="warning", timeout_graceful_shutdown=2)
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
         scheduler.stop()
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (uvicorn listens on it); MiniCPMError when the address is taken or
+    not this machine's."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise MiniCPMError(f"--host {host!r} is not an address of this machine: {e.strerror}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may reuse a port in TIME_WAIT
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise MiniCPMError(f"cannot listen on {host}:{port}: {e.strerror} (is another server there? choose another "
+                           "--port)") from None
+    return sock
 
 
 def _warm_up(scheduler, tokenizer, stops: list[int]) -> None:

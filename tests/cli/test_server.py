@@ -230,3 +230,17 @@ def test_full_queue_gets_429_and_the_api_survives_fuzzing(smollm2_dir):
         assert httpx.get(small.url + "/health").status_code == 200
     finally:
         small.stop()
+
+
+def test_a_busy_port_is_refused_before_the_model_loads(smollm2_dir):
+    """A port already taken gives one error line at once, not after loading and a 'serving on' line."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        t = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", "minicpm_jax.server", "--port", str(port)], capture_output=True,
+                           text=True, timeout=300, env=os.environ)
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
+    assert "serving on" not in r.stderr and "Traceback" not in r.stderr
+    assert time.perf_counter() - t < 60  # no model was loaded (that alone takes longer on a CPU)
