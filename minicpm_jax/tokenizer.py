@@ -11,13 +11,26 @@ from minicpm_jax.errors import MiniCPMError
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """``transformers.AutoTokenizer`` of a model directory; MiniCPMError if it has no tokenizer files."""
-    from transformers import AutoTokenizer  # heavy import, only when text is involved
+    """The tokenizer of a model directory (``transformers.AutoTokenizer``); MiniCPMError if it has none.
 
+    Never runs a checkpoint's own code and never asks: published MiniCPM4 directories carry ``auto_map``
+    entries (remote-code classes), on which transformers would otherwise stop to ask "Do you wish to run the
+    custom code? [y/N]" on stdin. Their tokenizer is a standard one: where transformers cannot tell which
+    without the custom code, ``tokenizer.json`` is loaded as a generic fast tokenizer.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # heavy import, only when text is involved
+
+    path = os.fspath(path)
     try:
-        return AutoTokenizer.from_pretrained(os.fspath(path))
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, TypeError) as e:
-        raise MiniCPMError(f"cannot load a tokenizer from {os.fspath(path)!r}: {e}") from None
+        error = e
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(path, trust_remote_code=False)
+        except (OSError, ValueError, TypeError) as e:
+            error = e
+    raise MiniCPMError(f"cannot load a tokenizer from {path!r}: {error}")
 
 
 def encode_prompt(

@@ -81,3 +81,36 @@ def test_enable_thinking_reaches_the_chat_template(smollm2_dir):
     on = tok.decode(encode_prompt(tok, "hi", enable_thinking=True))
     default = tok.decode(encode_prompt(tok, "hi"))
     assert off.endswith("<think>\n\n</think>\n") and not on.endswith("</think>\n") and default == on
+
+
+@pytest.mark.parametrize("tokenizer_class", [None, "LlamaTokenizer"])
+def test_tokenizer_of_a_remote_code_checkpoint_loads_without_asking(smollm2_dir, smollm2_tokenizer, tmp_path,
+                                                                    monkeypatch, tokenizer_class):
+    """A directory laid out as MiniCPM4's are published (``model_type: minicpm`` and ``auto_map`` entries
+    naming remote code): the tokenizer loads without running or asking about custom code (transformers
+    would print "Do you wish to run the custom code? [y/N]" and read stdin), and without a tokenizer class
+    it is the generic fast tokenizer of ``tokenizer.json``, which encodes like the demo's own."""
+    import json
+    import shutil
+
+    from minicpm_jax.tokenizer import load_tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"):
+        shutil.copy(f"{smollm2_dir}/{name}", tmp_path / name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(model_type="minicpm", architectures=["MiniCPMForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_minicpm.MiniCPMConfig",
+                            "AutoModelForCausalLM": "modeling_minicpm.MiniCPMForCausalLM"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tok_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    tok_config.pop("tokenizer_class", None)
+    if tokenizer_class:
+        tok_config["tokenizer_class"] = tokenizer_class
+    tok_config["auto_map"] = {"AutoTokenizer": ["tokenization_minicpm.MiniCPMTokenizer", None]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    asked = []
+    monkeypatch.setattr("builtins.input", lambda prompt="": asked.append(prompt) or "n")
+    tok = load_tokenizer(tmp_path)
+    assert not asked
+    if tokenizer_class is None:
+        assert encode_prompt(tok, CHATS[0]) == encode_prompt(smollm2_tokenizer, CHATS[0])
