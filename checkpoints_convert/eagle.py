@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 
 from checkpoints_convert.common import atomic_output_dir, check_destination, write_json
 from minicpm_jax.errors import MiniCPMError
-from minicpm_jax.io.draft import draft_kind_of, from_vllm_names, read_draft_tensors, to_vllm_names
+from minicpm_jax.io.draft import draft_kind_of, engine_draft_names, read_draft_tensors, to_vllm_names
 
 EAGLE_LAYOUTS = ("cpmcu", "vllm")
 
@@ -35,16 +35,17 @@ def _target_head(target: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def convert_eagle(src: str, dst: str, *, layout: str, target: str | None = None, overwrite: bool = False) -> str:
-    """Rewrites the draft at ``src`` with ``layout``'s tensor names: ``cpmcu`` (CPM.cu / SafeAILab:
-    ``fc``, ``input_norm1/2``, ``layers.0`` or ``midlayer``) or ``vllm`` (``model.fc``,
-    ``model.eagle_layers.0``; MiniCPM EAGLE only, with the embedding and lm_head of ``target``). Tensors
-    keep their dtype; ``config.json`` is copied. Returns the draft kind."""
+    """Rewrites the draft at ``src`` (any layout ``load_draft`` reads) with ``layout``'s tensor names:
+    ``cpmcu`` (CPM.cu / SafeAILab: ``fc``, ``input_norm1/2``, ``layers.0``; EAGLE-3 ``midlayer``) or
+    ``vllm`` (``model.fc``, ``model.eagle_layers.0``, ``model.norm``; MiniCPM EAGLE only, with the
+    embedding and lm_head of ``target``). Tensors keep their dtype; ``config.json`` is copied. Returns the
+    draft kind."""
     if layout not in EAGLE_LAYOUTS:
         raise MiniCPMError(f"--layout must be one of {', '.join(EAGLE_LAYOUTS)}, got {layout!r}")
     if not os.path.isdir(src):
         raise MiniCPMError(f"draft directory {src!r} does not exist")
     check_destination(dst, overwrite)
-    tensors, _ = from_vllm_names(read_draft_tensors(src))
+    tensors = engine_draft_names(read_draft_tensors(src))
     kind = draft_kind_of(set(tensors))
     if layout == "vllm":
         if kind != "minicpm":

@@ -129,13 +129,14 @@ def model_map(config: ModelConfig, names: set[str]) -> CheckpointMap:
 
 
 def draft_layer_prefix(kind: str) -> str:
-    """Where a draft's decoder layer lives: ``midlayer.`` (EAGLE-3) or ``layers.0.``."""
+    """Where a draft's decoder layer lives in the engine's names: ``midlayer.`` (EAGLE-3; ``layers.0.``
+    EAGLE-3 checkpoints are renamed on reading) or ``layers.0.``."""
     return "midlayer." if kind == "eagle3" else "layers.0."
 
 
 def draft_map(spec: DraftSpec, names: set[str]) -> CheckpointMap:
-    """The map of :class:`~minicpm_jax.model.draft.EagleDraft` in CPM.cu / SafeAILab names (vLLM's are
-    renamed first: :func:`minicpm_jax.io.draft.from_vllm_names`)."""
+    """The map of :class:`~minicpm_jax.model.draft.EagleDraft` in CPM.cu / SafeAILab names (other layouts
+    are renamed first: :func:`minicpm_jax.io.draft.engine_draft_names`)."""
     cfg, kind = spec.layer, spec.kind
     h = cfg.hidden_size
     pre = draft_layer_prefix(kind)
@@ -154,8 +155,11 @@ def draft_map(spec: DraftSpec, names: set[str]) -> CheckpointMap:
         tensors += [Tensor(("input_norm1", "weight"), "input_norm1.weight", (h,)),
                     Tensor(("input_norm2", "weight"), "input_norm2.weight", (h,)),
                     Tensor(("input_layernorm", "weight"), pre + "input_layernorm.weight", (h,))]
-    # The embedding is the target's; t2d is implied by d2t.
-    return CheckpointMap(tuple(linears), tuple(tensors), frozenset({"embed_tokens.weight", "t2d"}))
+    # The embedding is the target's; t2d is implied by d2t. vLLM's MiniCPM EAGLE (EagleMiniCPMModel)
+    # builds a final ``norm`` its forward never applies (the draft's logits are lm_head(h / scale_width)),
+    # so a vLLM-format draft's norm.weight is read past.
+    tolerated = {"embed_tokens.weight", "t2d"} | ({"norm.weight"} if kind == "minicpm" else set())
+    return CheckpointMap(tuple(linears), tuple(tensors), frozenset(tolerated))
 
 
 def resolve_tied_head(config: ModelConfig, names: set[str]) -> ModelConfig:

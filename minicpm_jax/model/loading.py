@@ -20,7 +20,7 @@ from minicpm_jax.config import DraftSpec, ModelConfig, SparseConfig, read_config
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.infllm.policy import resolve_sparse
 from minicpm_jax.io import int4_formats
-from minicpm_jax.io.draft import draft_kind_of, draft_quant, from_vllm_names, read_draft_tensors, write_draft
+from minicpm_jax.io.draft import draft_kind_of, draft_quant, engine_draft_names, read_draft_tensors, write_draft
 from minicpm_jax.io.hf import hf_checkpoint_quant, hf_params
 from minicpm_jax.io.int4_checkpoint import rtn_arrays
 from minicpm_jax.io.names import DECODER_LINEARS, ParamPath, draft_layer_prefix, draft_map, resolve_tied_head
@@ -151,7 +151,9 @@ def convert_model(model: MiniCPMForCausalLM, quant: QuantSpec | None) -> MiniCPM
 
 # ------------------------------------------------------------------------------------------------ drafts
 def load_draft(path: str, target: ModelConfig, *, max_length: int, attention_impl: str, dtype) -> EagleDraft:
-    """Loads an EAGLE draft directory (tensors plus an optional ``config.json``) for ``target``.
+    """Loads an EAGLE draft directory (tensors plus an optional ``config.json``) for ``target``, in any
+    layout :func:`~minicpm_jax.io.draft.engine_draft_names` reads (CPM.cu / SafeAILab, vLLM's MiniCPM EAGLE
+    with or without its unused ``model.norm``, EAGLE-3 with ``midlayer`` or ``layers.0``; dense or int4).
 
     The draft layer's head counts and MLP width come from its ``config.json`` (default: the target's);
     its hidden size (and, for EAGLE-1/2, vocabulary) must match the target's. Missing, unexpected or
@@ -159,7 +161,7 @@ def load_draft(path: str, target: ModelConfig, *, max_length: int, attention_imp
     """
     if not os.path.isdir(path):
         raise MiniCPMError(f"draft checkpoint directory {path!r} does not exist")
-    tensors, _ = from_vllm_names(read_draft_tensors(path))
+    tensors = engine_draft_names(read_draft_tensors(path))
     names = set(tensors)
     kind = draft_kind_of(names)
     raw = read_config_json(path) if os.path.isfile(os.path.join(path, "config.json")) else {}
