@@ -18,7 +18,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m checkpoints_convert", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("gguf", help="GGUF (llama architecture) -> Hugging Face style directory")
+    g = sub.add_parser("gguf", help="GGUF (llama or minicpm architecture) -> Hugging Face style directory")
     g.add_argument("--src", required=True, help="the .gguf file")
     g.add_argument("--dst", required=True, help="output directory")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],

@@ -1,11 +1,29 @@
-"""GGUF (llama architecture) → Hugging Face style directory: config.json, safetensors, tokenizer files.
+"""GGUF → Hugging Face style directory: config.json, safetensors, tokenizer files.
 
-Tensors are dequantized with the ``gguf`` package (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q6_K and the rest it
-supports); llama.cpp's interleaved q/k row order is undone so the result uses the HF rotate-half RoPE.
+Two llama.cpp architectures are read:
+
+- ``llama``: a Llama config (``model_type`` llama).
+- ``minicpm`` (llama.cpp's ``MiniCPMModel`` converter, e.g. the MiniCPM4-8B GGUFs): a MiniCPM config
+  (``model_type`` minicpm). The muP scalings come back from ``minicpm.embedding_scale`` (= ``scale_emb``),
+  ``minicpm.residual_scale`` (= ``scale_depth / sqrt(num_layers)``) and ``minicpm.logit_scale``
+  (= ``hidden_size / dim_model_base``: llama.cpp divides by it). LongRoPE comes back from the
+  ``rope_factors_long`` / ``rope_factors_short`` tensors (``long_factor`` / ``short_factor``) with
+  ``original_max_position_embeddings`` from ``minicpm.rope.scaling.original_context_length`` where the file
+  has it, else the context length (llama.cpp's own default; its MiniCPM converter does not write the key).
+  Not recoverable, so left out: ``sparse_config`` (llama.cpp has no InfLLM-v2: the model runs with dense
+  attention unless ``--sparse on``), a second EOS id (the file stores one), MoE MiniCPM files (refused).
+
+For both, the head is untied exactly when the file has an ``output.weight`` tensor; BOS/EOS/PAD ids come
+from the tokenizer metadata; float32 metadata is read back as the shortest decimal that rounds to the stored
+float32 (``1e-06``, not ``9.99999997e-07``; ``scale_depth`` 1.4, not 1.4000000206). Tensors are dequantized
+with the ``gguf`` package (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q6_K and the rest it supports); llama.cpp's
+interleaved q/k row order is undone so the result uses the HF rotate-half RoPE. The tokenizer (a
+SentencePiece ``llama`` vocabulary for both architectures) is rebuilt by transformers' GGUF reader.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -16,7 +34,7 @@ from checkpoints_convert.common import (
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.errors import MiniCPMError
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "minicpm")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -53,44 +71,108 @@ def _field(reader, key: str, default=None):
     return value
 
 
-def gguf_config(reader) -> dict:
-    """An HF ``config.json`` dict (model_type llama) from GGUF metadata; MiniCPMError if unsupported."""
-    arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise MiniCPMError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise MiniCPMError("GGUF tensor rope_freqs.weight (Llama-3.1 rope factors) is not supported; convert from the HF checkpoint")
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none", "linear"):
-        raise MiniCPMError(f"GGUF {arch}.rope.scaling.type {scaling!r} is not supported")
+def _decimal(stored: float, inverse=lambda x: x, forward=lambda x: x) -> float:
+    """The shortest decimal ``x`` with ``float32(forward(x)) == stored``, searched around ``inverse(stored)``.
+
+    GGUF metadata is float32; the HF config held a short decimal (``1e-6``, ``1.4``) that this recovers.
+    """
+    target = np.float32(stored)
+    approx = inverse(float(target))
+    for digits in range(1, 18):
+        x = float(f"{approx:.{digits}g}")
+        if x and np.float32(forward(x)) == target:
+            return x
+    return approx
+
+
+def _common_config(reader, arch: str, names: set[str]) -> dict:
+    """The fields llama and minicpm files store alike, as HF ``config.json`` entries."""
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embd is None:
         raise MiniCPMError("GGUF file has no token_embd.weight tensor")
+    for key in ("embedding_length", "attention.head_count", "block_count", "feed_forward_length"):
+        if _field(reader, f"{arch}.{key}") is None:
+            raise MiniCPMError(f"GGUF file has no {arch}.{key} metadata; it is not a complete {arch} model")
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     heads = int(_field(reader, f"{arch}.attention.head_count"))
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    head_dim = _field(reader, f"{arch}.attention.key_length", _field(reader, f"{arch}.rope.dimension_count"))
+    return {
         "vocab_size": int(embd.shape[1]),
         "hidden_size": hidden,
         "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
+        "head_dim": int(head_dim) if head_dim is not None else hidden // heads,
         "hidden_act": "silu",
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rms_norm_eps": _decimal(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rope_theta": _decimal(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "rope_scaling": None,
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
     }
+
+
+def _llama_config(reader, names: set[str]) -> dict:
+    if "rope_freqs.weight" in names:
+        raise MiniCPMError("GGUF tensor rope_freqs.weight (Llama-3.1 rope factors) is not supported; convert from the HF checkpoint")
+    scaling = _field(reader, "llama.rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise MiniCPMError(f"GGUF llama.rope.scaling.type {scaling!r} is not supported")
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **_common_config(reader, "llama", names)}
     if scaling == "linear":
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))}
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": _decimal(_field(reader, "llama.rope.scaling.factor", 1.0))}
+    return cfg
+
+
+def _rope_factors(reader, name: str) -> list[float]:
+    tensor = next(t for t in reader.tensors if t.name == name)
+    return [float(v) for v in dequantize(tensor).reshape(-1)]
+
+
+def _minicpm_config(reader, names: set[str]) -> dict:
+    if any(n.endswith(("ffn_gate_inp.weight", "ffn_gate_exps.weight")) for n in names):
+        raise MiniCPMError("GGUF file is a mixture-of-experts MiniCPM; only dense MiniCPM models are supported")
+    cfg = {"architectures": ["MiniCPMForCausalLM"], "model_type": "minicpm", **_common_config(reader, "minicpm", names)}
+    layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    root = math.sqrt(layers)
+    for key in ("embedding_scale", "residual_scale", "logit_scale"):
+        value = _field(reader, f"minicpm.{key}")
+        if not isinstance(value, (int, float)) or not value > 0:
+            raise MiniCPMError(f"GGUF minicpm.{key} must be a positive number, got {value!r}")
+    dim_model_base = _decimal(_field(reader, "minicpm.logit_scale"), lambda s: hidden / s, lambda x: hidden / x)
+    cfg.update(
+        scale_emb=_decimal(_field(reader, "minicpm.embedding_scale")),
+        scale_depth=_decimal(_field(reader, "minicpm.residual_scale"), lambda s: s * root, lambda x: x / root),
+        dim_model_base=int(dim_model_base) if dim_model_base.is_integer() else dim_model_base,
+    )
+    scaling = _field(reader, "minicpm.rope.scaling.type")
+    has_factors = {"rope_factors_long.weight", "rope_factors_short.weight"} <= names
+    if scaling not in (None, "none", "longrope"):
+        raise MiniCPMError(f"GGUF minicpm.rope.scaling.type {scaling!r} is not supported (only longrope)")
+    if scaling == "longrope" and not has_factors:
+        raise MiniCPMError("GGUF minicpm file says rope scaling longrope but has no rope_factors_long/short tensors")
+    if has_factors:  # llama.cpp applies the factors whenever the tensors are there
+        cfg["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": _rope_factors(reader, "rope_factors_long.weight"),
+            "short_factor": _rope_factors(reader, "rope_factors_short.weight"),
+            "original_max_position_embeddings": int(_field(
+                reader, "minicpm.rope.scaling.original_context_length", cfg["max_position_embeddings"])),
+        }
+    return cfg
+
+
+def gguf_config(reader) -> dict:
+    """An HF ``config.json`` dict (model_type llama or minicpm) from GGUF metadata; MiniCPMError if unsupported."""
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise MiniCPMError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    names = {t.name for t in reader.tensors}
+    cfg = _llama_config(reader, names) if arch == "llama" else _minicpm_config(reader, names)
     ModelConfig.from_dict(cfg)  # validates
     return cfg
 
@@ -167,7 +249,7 @@ def convert_gguf(
         gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
         write_json(os.path.join(tmp, "generation_config.json"), gen)
         if tokenizer:
-            save_tokenizer(src, tmp)
+            save_tokenizer(src, tmp, reader)
     return cfg
 
 
@@ -177,8 +259,14 @@ def torch_installed() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def save_tokenizer(src: str, out_dir: str) -> None:
-    """Saves the GGUF's tokenizer and chat template as HF tokenizer files (transformers' GGUF support)."""
+def save_tokenizer(src: str, out_dir: str, reader=None) -> None:
+    """Saves the GGUF's tokenizer and chat template as HF tokenizer files (transformers' GGUF support).
+
+    transformers reads tokenizers only from files of architectures it knows; a ``minicpm`` file's
+    tokenizer (a SentencePiece ``llama`` vocabulary) is read from a metadata-only copy tagged ``llama``.
+    """
+    import tempfile
+
     from transformers import AutoTokenizer
 
     if not torch_installed():  # transformers' GGUF metadata reader imports torch
@@ -186,8 +274,35 @@ def save_tokenizer(src: str, out_dir: str) -> None:
             "reading a GGUF tokenizer needs PyTorch (transformers' GGUF reader imports it); install the CPU "
             "build: pip install torch --index-url https://download.pytorch.org/whl/cpu"
         )
-    try:
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(src)), gguf_file=os.path.basename(src))
-    except Exception as e:
-        raise MiniCPMError(f"cannot read the tokenizer from {src}: {type(e).__name__}: {e}") from None
+    reader = reader if reader is not None else open_gguf(src)
+    with tempfile.TemporaryDirectory(prefix="gguf-tokenizer-") as tmp:
+        path = os.path.abspath(src)
+        if _field(reader, "general.architecture") != "llama":
+            path = _tokenizer_only_copy(reader, os.path.join(tmp, "tokenizer.gguf"))
+        try:
+            tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        except Exception as e:
+            raise MiniCPMError(f"cannot read the tokenizer from {src}: {type(e).__name__}: {e}") from None
     tok.save_pretrained(out_dir)
+
+
+def _tokenizer_only_copy(reader, path: str) -> str:
+    """Writes the ``tokenizer.*`` metadata of ``reader`` into a tensor-less GGUF of architecture llama."""
+    from gguf import GGUFValueType, GGUFWriter
+
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        raise MiniCPMError("GGUF file has no tokenizer (no tokenizer.ggml.tokens metadata)")
+    writer = GGUFWriter(path, "llama")
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer.") or not field.types:
+            continue
+        kind = GGUFValueType(field.types[0])
+        if kind == GGUFValueType.ARRAY:
+            writer.add_key_value(key, field.contents(), kind, sub_type=GGUFValueType(field.types[-1]))
+        else:
+            writer.add_key_value(key, field.contents(), kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

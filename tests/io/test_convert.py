@@ -111,7 +111,7 @@ def test_gguf_of_unsupported_architecture(tmp_path):
     src = _gguf_of_arch(tmp_path / "m.gguf", "gpt2")
     r = _cli("gguf", "--src", src, "--dst", str(tmp_path / "out"))
     assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert r.stderr.strip() == "error: GGUF architecture 'gpt2' is not supported (supported: llama)"
+    assert r.stderr.strip() == "error: GGUF architecture 'gpt2' is not supported (supported: llama, minicpm)"
     assert not (tmp_path / "out").exists()
 
 
