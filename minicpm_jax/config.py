@@ -15,23 +15,9 @@ import os
 from typing import Any, Mapping
 
 from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.rope_config import RopeConfig, context_limit, minicpm4_yarn, parse_rope
 
 SUPPORTED_MODEL_TYPES = ("minicpm", "llama")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters (``rope_scaling`` / ``rope_parameters`` of the checkpoint)."""
-
-    kind: str = "default"  # one of SUPPORTED_ROPE_TYPES
-    theta: float = 10000.0
-    factor: float = 1.0  # linear / llama3
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int | None = None  # llama3 / longrope
-    short_factor: tuple[float, ...] = ()  # longrope, head_dim/2 values
-    long_factor: tuple[float, ...] = ()  # longrope, head_dim/2 values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +31,12 @@ class SparseConfig:
     window_size: int = 2048
     topk: int = 64
     use_nope: bool = False
-    dense_len: int = 8192
+    dense_len: int = 8192  # dense below this many tokens; <= 0 (MiniCPM's -1): always sparse
+
+    @property
+    def always_sparse(self) -> bool:
+        """``dense_len <= 0``: every step is sparse (MiniCPM's README ``-1``; CPM.cu's ``--sparse-switch 0``)."""
+        return self.dense_len <= 0
 
     @property
     def local_blocks(self) -> int:
@@ -76,10 +67,10 @@ class SparseConfig:
     def check(self) -> "SparseConfig":
         """Raises MiniCPMError unless the block-selection geometry is one the kernels implement."""
         s = self
-        if min(s.kernel_size, s.kernel_stride, s.block_size, s.topk, s.dense_len) < 1:
+        if min(s.kernel_size, s.kernel_stride, s.block_size, s.topk) < 1:
             raise MiniCPMError(
-                "sparse_config: kernel_size, kernel_stride, block_size, topk and dense_len must be >= 1, got "
-                f"{s.kernel_size}, {s.kernel_stride}, {s.block_size}, {s.topk}, {s.dense_len}")
+                "sparse_config: kernel_size, kernel_stride, block_size and topk must be >= 1, got "
+                f"{s.kernel_size}, {s.kernel_stride}, {s.block_size}, {s.topk}")
         if s.kernel_size != 2 * s.kernel_stride or s.block_size % s.kernel_stride:
             raise MiniCPMError(
                 "sparse_config: InfLLM-v2 needs kernel_size == 2 * kernel_stride and block_size a multiple of "
@@ -146,6 +137,16 @@ class ModelConfig:
         head = 0 if self.tied_head else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * layer + h + head
 
+    @property
+    def context_limit(self) -> int:
+        """The longest sequence its positions support (:func:`minicpm_jax.rope_config.context_limit`)."""
+        return context_limit(self.rope, self.max_position_embeddings)
+
+    def with_minicpm4_yarn(self) -> "ModelConfig":
+        """This config with MiniCPM4's validated 128K LongRoPE factors (CPM.cu's ``--minicpm4-yarn``)."""
+        orig = self.rope.original_max_position_embeddings or self.max_position_embeddings
+        return dataclasses.replace(self, rope=minicpm4_yarn(self.rope, self.head_dim, orig))
+
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "ModelConfig":
         """Builds a config from a parsed ``config.json``; raises MiniCPMError naming a bad field."""
@@ -159,24 +160,7 @@ class ModelConfig:
     def to_hf_dict(self) -> dict:
         """A Hugging Face style ``config.json`` dict that ``from_dict`` reads back to an equal config."""
         rope = self.rope
-        rope_scaling: dict[str, Any] | None = None
-        if rope.kind == "linear":
-            rope_scaling = {"rope_type": "linear", "factor": rope.factor}
-        elif rope.kind == "llama3":
-            rope_scaling = {
-                "rope_type": "llama3",
-                "factor": rope.factor,
-                "low_freq_factor": rope.low_freq_factor,
-                "high_freq_factor": rope.high_freq_factor,
-                "original_max_position_embeddings": rope.original_max_position_embeddings,
-            }
-        elif rope.kind == "longrope":
-            rope_scaling = {
-                "rope_type": "longrope",
-                "short_factor": list(rope.short_factor),
-                "long_factor": list(rope.long_factor),
-                "original_max_position_embeddings": rope.original_max_position_embeddings,
-            }
+        rope_scaling = rope.to_hf()
         arch = "MiniCPMForCausalLM" if self.model_type == "minicpm" else "LlamaForCausalLM"
         out: dict[str, Any] = {
             "architectures": [arch],
@@ -259,52 +243,6 @@ def _positive(key: str, value: int | float) -> int | float:
     return value
 
 
-def _parse_rope(raw: dict, head_dim: int) -> RopeConfig:
-    scaling = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
-    if not isinstance(scaling, dict):
-        raise MiniCPMError(f"config.json: field 'rope_scaling' must be an object or null, got {scaling!r}")
-    theta = scaling.get("rope_theta", raw.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
-        raise MiniCPMError(f"config.json: field 'rope_theta' must be a positive number, got {theta!r}")
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise MiniCPMError(
-            f"config.json: rope_scaling.rope_type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-        )
-    orig = scaling.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
-    kw: dict[str, Any] = {"kind": kind, "theta": float(theta)}
-    if kind in ("linear", "llama3"):
-        factor = scaling.get("factor")
-        if not isinstance(factor, (int, float)) or factor <= 0:
-            raise MiniCPMError(f"config.json: rope_scaling.factor must be a positive number for {kind!r}, got {factor!r}")
-        kw["factor"] = float(factor)
-    if kind == "llama3":
-        if not isinstance(orig, int) or orig <= 0:
-            raise MiniCPMError("config.json: rope_scaling.original_max_position_embeddings is required for 'llama3'")
-        kw.update(
-            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=orig,
-        )
-    if kind == "longrope":
-        if not isinstance(orig, int) or orig <= 0:
-            raise MiniCPMError("config.json: rope_scaling.original_max_position_embeddings is required for 'longrope'")
-        factors = {}
-        for name in ("short_factor", "long_factor"):
-            vals = scaling.get(name)
-            if (
-                not isinstance(vals, list)
-                or len(vals) != head_dim // 2
-                or not all(isinstance(v, (int, float)) and v > 0 for v in vals)
-            ):
-                raise MiniCPMError(
-                    f"config.json: rope_scaling.{name} must be a list of {head_dim // 2} positive numbers (head_dim/2)"
-                )
-            factors[name] = tuple(float(v) for v in vals)
-        kw.update(original_max_position_embeddings=orig, **factors)
-    return RopeConfig(**kw)
-
-
 def _parse_sparse(raw: dict) -> SparseConfig | None:
     sc = raw.get("sparse_config")
     if sc is None:
@@ -316,8 +254,9 @@ def _parse_sparse(raw: dict) -> SparseConfig | None:
         if field.name in sc:
             val = sc[field.name]
             want = bool if field.type in ("bool", bool) else int
-            if want is int and (not isinstance(val, int) or isinstance(val, bool) or val < 0):
-                raise MiniCPMError(f"config.json: sparse_config.{field.name} must be a non-negative integer, got {val!r}")
+            low = -1 if field.name == "dense_len" else 0  # dense_len -1: always sparse (MiniCPM's README)
+            if want is int and (not isinstance(val, int) or isinstance(val, bool) or val < low):
+                raise MiniCPMError(f"config.json: sparse_config.{field.name} must be an integer >= {low}, got {val!r}")
             if want is bool and not isinstance(val, bool):
                 raise MiniCPMError(f"config.json: sparse_config.{field.name} must be true or false, got {val!r}")
             kw[field.name] = val
@@ -383,7 +322,7 @@ def _parse(raw: dict) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=_positive("rms_norm_eps", _need(raw, "rms_norm_eps", float, 1e-6)),
         max_position_embeddings=_positive("max_position_embeddings", _need(raw, "max_position_embeddings", int, 4096)),
-        rope=_parse_rope(raw, head_dim),
+        rope=parse_rope(raw, head_dim),
         scale_emb=_positive("scale_emb", scale_emb),
         scale_depth=scale_depth,
         dim_model_base=_positive("dim_model_base", dim_model_base),
@@ -473,6 +412,16 @@ class DraftSpec:
         if kind == "eagle3":
             draft_vocab = raw.get("draft_vocab_size") or head_rows or target.vocab_size
         spec = cls.for_target(target, kind, draft_vocab=draft_vocab, **overrides)
+        # EAGLE-3 drafts may name their feature layers (vLLM and SpecForge read this key, top level or
+        # under eagle_config); each is the index of a target layer whose *input* residual stream is taken.
+        aux = raw.get("eagle_aux_hidden_state_layer_ids",
+                      (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
+        if kind == "eagle3" and aux is not None:
+            if (not isinstance(aux, list) or len(aux) != 3
+                    or not all(isinstance(i, int) and 0 <= i < target.num_layers for i in aux)):
+                raise MiniCPMError(f"draft config eagle_aux_hidden_state_layer_ids must be 3 layer indices in "
+                                   f"[0, {target.num_layers}), got {aux!r}")
+            spec = dataclasses.replace(spec, capture=tuple(aux))
         mup = raw.get("mup_denominator")
         if kind == "minicpm" and isinstance(mup, (int, float)) and mup > 0:
             # vLLM's EagleMiniCPM scales the residuals by scale_depth / sqrt(mup_denominator).

@@ -19,7 +19,7 @@ BACKEND_NAMES = {"xla", "pallas", "triton", "mosaic", "mosaic_gpu"}
 
 # Layers, lowest first; a module may import modules of its own layer or of the layers listed as below it.
 LAYERS = {
-    "config": ("minicpm_jax.errors", "minicpm_jax.config", "minicpm_jax.quant"),
+    "config": ("minicpm_jax.errors", "minicpm_jax.config", "minicpm_jax.rope_config", "minicpm_jax.quant"),
     "kernels": ("pallas_kernels",),
     "io": ("minicpm_jax.io",),
     "model": ("minicpm_jax.model", "minicpm_jax.infllm"),

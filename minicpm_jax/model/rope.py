@@ -1,4 +1,4 @@
-"""Rotary position embeddings: default, linear, llama3 and MiniCPM's LongRoPE (rotate-half convention)."""
+"""Rotary position embeddings: default, linear, llama3, YaRN and MiniCPM's LongRoPE (rotate-half convention)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from minicpm_jax.config import RopeConfig
+from minicpm_jax.rope_config import RopeConfig
 
 
 def rope_frequencies(
@@ -42,7 +42,41 @@ def rope_frequencies(
         inv_freq = inv_freq / ext
         ratio = max_position_embeddings / orig
         scale = math.sqrt(1 + math.log(ratio) / math.log(orig)) if ratio > 1 else 1.0
+    elif rope.kind == "yarn":
+        inv_freq, scale = yarn_frequencies(rope, head_dim)
     return inv_freq.astype(np.float32), float(scale)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:
+    """YaRN (Peng et al. 2023, as transformers' ``_compute_yarn_parameters``): dimensions rotating fewer
+    than ``beta_slow`` times over the pre-training context are interpolated by ``factor``, those rotating
+    more than ``beta_fast`` times are kept, a linear ramp between; cos/sin are scaled by the attention
+    factor (``0.1 ln(factor) + 1`` unless given or set by ``mscale`` / ``mscale_all_dim``)."""
+    base, factor, orig = rope.theta, rope.factor, rope.original_max_position_embeddings
+    attention = rope.attention_factor
+    if attention is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention = _yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim)
+        else:
+            attention = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over `orig`
+        return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # avoids a zero-width ramp
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    keep = 1.0 - ramp  # 1: extrapolate (the original frequency), 0: interpolate (divided by factor)
+    freq = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    return freq / factor * (1 - keep) + freq * keep, float(attention)
 
 
 def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray, scale: float = 1.0) -> jnp.ndarray:

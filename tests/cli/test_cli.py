@@ -154,7 +154,10 @@ def test_directory_without_config(tmp_path):
     ("--temperature", "-1", "temperature must be >= 0"),
     ("--top_p", "1.5", "top_p must be in (0, 1]"),
     ("--top_k", "-3", "top_k must be >= 0"),
-    ("--max_length", "0", "--max_length must be >= 1"),
+    ("--max_length", "0", "--max_length must be >= 2"),
+    ("--max_length", "lots", "--max_length must be a number of tokens or auto"),
+    ("--memory_limit", "0", "--memory_limit must be in (0, 1]"),
+    ("--dense_len", "-2", "--dense_len: sparse dense_len must be >= -1"),
 ])
 def test_bad_generation_flags(flag, value, message):
     _assert_one_line_error(_run(flag, value), message)
@@ -168,6 +171,14 @@ def test_empty_prompt_is_refused_before_loading(tmp_path):
     _assert_one_line_error(_run("--prompt_text", ""), "the prompt is empty (--prompt_text)")
     (tmp_path / "p.txt").write_text(" \n")
     _assert_one_line_error(_run("--prompt_file", str(tmp_path / "p.txt")), "the prompt is empty (--prompt_file")
+
+
+@pytest.mark.smollm2
+def test_cache_past_the_model_positions_is_one_line_before_loading(smollm2_dir):
+    """SmolLM2 has 8192 positions and no rope scaling: a 5M-token cache is refused with the fix (it was an
+    XLA out-of-memory traceback)."""
+    _assert_one_line_error(_run("--max_length", "5000000", "--prompt_text", "hi"),
+                           "max_length 5000000 exceeds the 8192 positions this model supports")
 
 
 @pytest.mark.smollm2

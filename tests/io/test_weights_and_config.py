@@ -174,3 +174,17 @@ def test_unreadable_config_json(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(MiniCPMError, match="cannot read .*config.json"):
         ModelConfig.from_pretrained(str(tmp_path))
+
+
+def test_eagle3_draft_config_may_name_its_feature_layers():
+    """vLLM / SpecForge's ``eagle_aux_hidden_state_layer_ids`` (top level or in ``eagle_config``) replace
+    the default (2, L//2, L-3); anything but three layer indices of the target is refused."""
+    from minicpm_jax.config import DraftSpec
+
+    target = ModelConfig.from_dict(MINICPM4_8B)
+    assert DraftSpec.from_config({}, target, "eagle3").capture == (2, 16, 29)
+    assert DraftSpec.from_config({"eagle_aux_hidden_state_layer_ids": [1, 16, 30]}, target, "eagle3").capture == (1, 16, 30)
+    nested = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 15, 28]}}
+    assert DraftSpec.from_config(nested, target, "eagle3").capture == (3, 15, 28)
+    with pytest.raises(MiniCPMError, match="eagle_aux_hidden_state_layer_ids must be 3 layer indices"):
+        DraftSpec.from_config({"eagle_aux_hidden_state_layer_ids": [1, 2, 32]}, target, "eagle3")
