@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.errors import MiniCPMError
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -23,14 +26,26 @@ def load_tokenizer(path: str | os.PathLike):
     path = os.fspath(path)
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-    except (OSError, ValueError, TypeError) as e:
+    # transformers fails in several ways on a config it cannot build without the custom code (a MiniCPM
+    # LongRoPE config: AttributeError on max_position_embeddings); the tokenizer.json fallback covers them.
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as e:
         error = e
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         try:
             return PreTrainedTokenizerFast.from_pretrained(path, trust_remote_code=False)
         except (OSError, ValueError, TypeError) as e:
             error = e
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise MiniCPMError(f"{path!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}): copy the tokenizer files "
+                           "of the model it came from")
     raise MiniCPMError(f"cannot load a tokenizer from {path!r}: {error}")
+
+
+# Arguments of ``apply_chat_template`` that a request's template variables must not override.
+RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                    "add_generation_prompt", "continue_final_message", "padding", "truncation",
+                                    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                                    "tokenizer_kwargs"})
 
 
 def encode_prompt(
@@ -41,12 +56,15 @@ def encode_prompt(
     use_chat_template: bool = True,
     system_prompt: str | None = None,
     enable_thinking: bool | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Prompt ids for ``text`` (one user turn) or a whole ``messages`` list.
 
     With the chat template the assistant turn is opened (``add_generation_prompt``); ``enable_thinking``
-    is passed to templates that take it (MiniCPM4.1's hybrid reasoning switch). Without a template the
-    text is tokenized as is (with the tokenizer's BOS, if it adds one).
+    (MiniCPM4.1's hybrid reasoning switch) and ``template_kwargs`` (an OpenAI request's
+    ``chat_template_kwargs``) are passed to the template as variables; names of ``apply_chat_template``'s own
+    arguments are refused. Without a template the text is tokenized as is (with the tokenizer's BOS, if it
+    adds one).
     """
     if messages is None:
         if text is None:
@@ -58,11 +76,34 @@ def encode_prompt(
         return list(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
     if not getattr(tokenizer, "chat_template", None):
         raise MiniCPMError("this tokenizer has no chat template; run with --use_chat_template=false")
-    extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    extra = dict(template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_ARGS & set(extra))
+    if reserved:
+        raise MiniCPMError(f"chat template variables {', '.join(reserved)} are reserved")
+    if enable_thinking is not None:
+        extra["enable_thinking"] = enable_thinking
     ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **extra)
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
         ids = ids["input_ids"]
     return [int(i) for i in ids]
+
+
+def sampling_defaults(model_dir: str | None) -> dict[str, float | int]:
+    """The sampling settings a checkpoint's ``generation_config.json`` recommends (``temperature``,
+    ``top_p``, ``top_k``; only valid values), used where a request gives none, as vLLM does. ``do_sample``
+    is not consulted (vLLM neither): a recommended temperature is taken as meant."""
+    path = os.path.join(model_dir, "generation_config.json") if model_dir else ""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    checks = {"temperature": lambda v: 0 <= v <= 2, "top_p": lambda v: 0 < v <= 1,
+              "top_k": lambda v: isinstance(v, int) and v >= 0}
+    return {k: raw[k] for k, ok in checks.items() if isinstance(raw.get(k), (int, float))
+            and not isinstance(raw.get(k), bool) and ok(raw[k])} if isinstance(raw, dict) else {}
 
 
 def stop_token_ids(config: ModelConfig, tokenizer=None, model_dir: str | None = None) -> list[int]:

@@ -1,5 +1,6 @@
 """Test data builders: tiny random MiniCPM4 configs and checkpoints, the small InfLLM-v2 geometry, random
-trees, int4 weights and GPTQ tensors, cache-writer inputs, an abstract GPU mesh, and error measures.
+trees, int4 weights and GPTQ tensors, cache-writer inputs, an abstract GPU mesh, error measures, and a live
+server process on a free port.
 
 The oracles (NumPy forward, transformers, format definitions) are in :mod:`tests.oracles`."""
 
@@ -7,7 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
+import time
 
+import httpx
 import numpy as np
 from safetensors.numpy import save_file
 
@@ -199,3 +205,44 @@ def assert_close(got, want, rtol):
     scale = np.abs(want).max()
     err = np.abs(got - want).max()
     assert err <= rtol * scale, f"max error {err:.3g} > {rtol:g} x output scale {scale:.3g}"
+
+
+# ----------------------------------------------------------------------------- a live server process
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``python -m minicpm_jax.server`` with ``flags`` on a free port, its output in a log file; ready
+    once ``/health`` answers (RuntimeError if it exits or does not start)."""
+
+    def __init__(self, *flags: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(os.path.join(os.environ.get("MINICPM_JAX_CACHE", "/tmp"), f"server-{self.port}.log"), "w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "minicpm_jax.server", "--port", str(self.port), *flags],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=os.environ)
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise RuntimeError(f"server did not start: {self.output()}")
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-3000:]
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()

@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from absl import app, flags
 from fastapi import Request as HTTPRequest  # module level: FastAPI resolves the string annotations here
@@ -41,6 +41,7 @@ flags.DEFINE_string("served_model_name", None, "Model id in the API (default: th
 flags.DEFINE_integer("max_body_bytes", 1 << 20, "Largest request body accepted (413 beyond).", module_name=_H)
 
 RETRY_AFTER_S = 1
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # OpenAI's defaults, top_k off
 
 
 # ----------------------------------------------------------------------------- request schemas
@@ -65,9 +66,11 @@ class StreamOptions(BaseModel):
 class _Sampling(_Schema):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=1 << 20, description="extension: sample among the k most likely tokens; 0 = off")
+    # None: the checkpoint's generation_config.json recommendation, else OpenAI's defaults (1.0, 1.0, off)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=1 << 20, description="extension: sample among the k most likely "
+                              "tokens; 0 = off")
     seed: int | None = Field(None, ge=0, lt=2**32)
     stop: str | list[str] | None = Field(None, description="up to 4 strings, matched on the text")
     stream: bool = False
@@ -78,6 +81,9 @@ class _Sampling(_Schema):
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    # vLLM's and SGLang's extensions: variables for the chat template (MiniCPM4.1: enable_thinking)
+    chat_template_kwargs: dict[str, Any] | None = None
+    enable_thinking: bool | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -157,8 +163,10 @@ class Generation:
 
 
 def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], api_key: str | None = None,
-               max_body_bytes: int = 1 << 20):
-    """The FastAPI application serving ``scheduler`` (already started)."""
+               max_body_bytes: int = 1 << 20, sampling_defaults: dict | None = None):
+    """The FastAPI application serving ``scheduler`` (already started). sampling_defaults: temperature /
+    top_p / top_k for requests that give none (the checkpoint's generation_config.json)."""
+    sampling_defaults = dict(sampling_defaults or {})
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
@@ -227,8 +235,9 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
         if len(stops) > 4 or any(not s for s in stops):
             raise APIError(400, "stop takes at most 4 non-empty strings", param="stop")
         seed = body.seed if body.seed is not None else uuid.uuid4().int % (2**32)
+        given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k") if getattr(body, k) is not None}
         try:
-            sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed)
+            sampling = SamplingParams(**{**OPENAI_SAMPLING, **sampling_defaults, **given}, seed=seed)
         except MiniCPMError as e:
             raise APIError(400, str(e)) from None
         return stops, sampling, max_tokens or room
@@ -315,7 +324,10 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
                      else "".join(p.text for p in m.content)} for m in body.messages]
         try:
-            ids = encode_prompt(tokenizer, messages=messages, use_chat_template=True)
+            ids = encode_prompt(tokenizer, messages=messages, use_chat_template=True,
+                                enable_thinking=body.enable_thinking, template_kwargs=body.chat_template_kwargs)
+        except MiniCPMError as e:
+            raise APIError(400, str(e), param="chat_template_kwargs") from None
         except Exception as e:
             raise APIError(400, f"cannot apply the chat template to these messages: {e}", param="messages") from None
         return await _run(body, ids, body.max_completion_tokens or body.max_tokens, http, "chat")
@@ -352,7 +364,7 @@ def _serve() -> None:
 
     from minicpm_jax.engine.engine import Engine
     from minicpm_jax.engine.scheduler import Scheduler
-    from minicpm_jax.tokenizer import stop_token_ids
+    from minicpm_jax.tokenizer import sampling_defaults, stop_token_ids
 
     validate_model_flags()
     if FLAGS.draft_path is not None:
@@ -365,7 +377,7 @@ def _serve() -> None:
         raise MiniCPMError("--max_queue must be >= 0 and --port in 1..65535")
     sock = listening_socket(FLAGS.host, FLAGS.port)  # before the model loads: a busy port fails at once
     apply_system_flags()
-    model_path, model, tokenizer, load_s = load_from_flags(progress=True)
+    model_path, model, tokenizer, load_s = load_from_flags(progress=True, batch_size=FLAGS.max_batch_size)
     engine = Engine(model, batch_size=FLAGS.max_batch_size, chunk_length=FLAGS.chunk_length,
                     decode_block=FLAGS.decode_block)
     scheduler = Scheduler(engine, max_queue=FLAGS.max_queue)
@@ -374,12 +386,12 @@ def _serve() -> None:
     _warm_up(scheduler, tokenizer, stops)
     name = FLAGS.served_model_name or os.path.basename(os.path.normpath(model_path))
     print(f"minicpm-jax: {name} loaded in {load_s:.1f} s, compiled in {time.perf_counter() - t:.1f} s; "
-          f"{FLAGS.max_batch_size} slots × {FLAGS.max_length} tokens ({model.attention_impl} attention, "
+          f"{FLAGS.max_batch_size} slots × {model.max_length} tokens ({model.attention_impl} attention, "
           f"{weights_description(model)} weights, sparse attention {sparse_description(model)}); "
           f"serving on http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
     scheduler.start()
     application = create_app(scheduler, tokenizer, model_name=name, stop_ids=stops, api_key=FLAGS.api_key,
-                             max_body_bytes=FLAGS.max_body_bytes)
+                             max_body_bytes=FLAGS.max_body_bytes, sampling_defaults=sampling_defaults(model_path))
     try:
         config = uvicorn.Config(application, log_level="warning", timeout_graceful_shutdown=2)
         uvicorn.Server(config).run(sockets=[sock])

@@ -15,45 +15,10 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import Server
+
 pytestmark = pytest.mark.smollm2
 KEY = "sk-minicpm-test"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, *flags: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(os.path.join(os.environ.get("MINICPM_JAX_CACHE", "/tmp"), f"server-{self.port}.log"), "w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "minicpm_jax.server", "--port", str(self.port), *flags],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=os.environ)
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        raise RuntimeError(f"server did not start: {self.output()}")
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()[-3000:]
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from minicpm_jax.engine.engine import Engine
+from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.tokenizer import StreamDecoder, encode_prompt, stop_token_ids
 from tests import helpers
 
@@ -83,9 +84,9 @@ def test_enable_thinking_reaches_the_chat_template(smollm2_dir):
     assert off.endswith("<think>\n\n</think>\n") and not on.endswith("</think>\n") and default == on
 
 
-@pytest.mark.parametrize("tokenizer_class", [None, "LlamaTokenizer"])
+@pytest.mark.parametrize("tokenizer_class, longrope", [(None, False), ("LlamaTokenizer", False), (None, True)])
 def test_tokenizer_of_a_remote_code_checkpoint_loads_without_asking(smollm2_dir, smollm2_tokenizer, tmp_path,
-                                                                    monkeypatch, tokenizer_class):
+                                                                    monkeypatch, tokenizer_class, longrope):
     """A directory laid out as MiniCPM4's are published (``model_type: minicpm`` and ``auto_map`` entries
     naming remote code): the tokenizer loads without running or asking about custom code (transformers
     would print "Do you wish to run the custom code? [y/N]" and read stdin), and without a tokenizer class
@@ -101,6 +102,9 @@ def test_tokenizer_of_a_remote_code_checkpoint_loads_without_asking(smollm2_dir,
     config.update(model_type="minicpm", architectures=["MiniCPMForCausalLM"],
                   auto_map={"AutoConfig": "configuration_minicpm.MiniCPMConfig",
                             "AutoModelForCausalLM": "modeling_minicpm.MiniCPMForCausalLM"})
+    if longrope:  # MiniCPM4's rope: transformers' generic config then fails with an AttributeError
+        config["rope_scaling"] = {"rope_type": "longrope", "original_max_position_embeddings": 8192,
+                                  "short_factor": [1.0] * 32, "long_factor": [1.5] * 32}
     (tmp_path / "config.json").write_text(json.dumps(config))
     tok_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     tok_config.pop("tokenizer_class", None)
@@ -114,3 +118,15 @@ def test_tokenizer_of_a_remote_code_checkpoint_loads_without_asking(smollm2_dir,
     assert not asked
     if tokenizer_class is None:
         assert encode_prompt(tok, CHATS[0]) == encode_prompt(smollm2_tokenizer, CHATS[0])
+
+
+def test_a_directory_without_tokenizer_files_says_so(tmp_path):
+    """A weights-only directory (a MiniCPM4 LongRoPE config and nothing else): the error names the missing
+    files, not transformers' AttributeError about the config."""
+    import json
+
+    from minicpm_jax.tokenizer import load_tokenizer
+
+    (tmp_path / "config.json").write_text(json.dumps(helpers.tiny_minicpm_config()))
+    with pytest.raises(MiniCPMError, match="has no tokenizer .*copy the tokenizer files"):
+        load_tokenizer(tmp_path)
