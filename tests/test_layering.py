@@ -211,3 +211,16 @@ def test_the_checks_catch_violations(rule, monkeypatch):
              "layer": test_layers_import_only_downwards, "compare": test_backend_names_compared_only_in_the_backend_module}
     with pytest.raises(AssertionError):
         check[rule]()
+
+
+def test_package_import_is_light_and_every_public_name_resolves():
+    """``import minicpm_jax`` imports no JAX (the command-line entry points install their Ctrl-C handler
+    first; a Ctrl-C during the heavy imports then ends the run with one line), and each name in
+    ``__all__`` is importable from the package."""
+    import subprocess
+    import sys
+
+    code = ("import sys, minicpm_jax; assert 'jax' not in sys.modules, 'jax imported'; "
+            "[getattr(minicpm_jax, n) for n in minicpm_jax.__all__]; assert 'jax' in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr

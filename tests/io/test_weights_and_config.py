@@ -154,13 +154,13 @@ def test_llama_config_has_neutral_scalings():
     [
         ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4}}, "rope_type 'yarn' is not supported"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4}}, "rope_type 'dynamic' is not supported"),
         ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0],
                            "original_max_position_embeddings": 8}}, "short_factor must be a list of 64"),
         ({"num_key_value_heads": 3}, "must be a multiple of num_key_value_heads"),
         ({"hidden_size": "big"}, "'hidden_size' must be int"),
         ({"vocab_size": None}, "required field 'vocab_size' is missing"),
-        ({"sparse_config": {"topk": -1}}, "sparse_config.topk must be a non-negative integer"),
+        ({"sparse_config": {"topk": -1}}, "sparse_config.topk must be an integer >= 0"),
         ({"attention_bias": True}, "attention_bias=true is not supported"),
     ],
 )
