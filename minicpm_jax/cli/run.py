@@ -28,7 +28,7 @@ from minicpm_jax.cli.flags import (
     apply_system_flags, fail, load_from_flags, make_engine, sparse_description, speculative_description,
     validate_model_flags, weights_description,
 )
-from minicpm_jax.cli.system import exit_on_interrupt, raise_on_interrupt
+from minicpm_jax.cli.system import InterruptFlag, ReplyInterrupted, exit_on_interrupt, raise_on_interrupt
 from minicpm_jax.tokenizer import TextStream
 
 FLAGS = flags.FLAGS
@@ -150,7 +150,10 @@ class Runner:
         return encode_prompt(self.tokenizer, messages=messages, use_chat_template=FLAGS.use_chat_template,
                              enable_thinking=FLAGS.enable_thinking)
 
-    def generate(self, ids: list[int], *, stream: bool, progress: bool, reuse_prefix: bool = False):
+    def generate(self, ids: list[int], *, stream: bool, progress: bool, reuse_prefix: bool = False,
+                 interrupt: InterruptFlag | None = None):
+        """Generates one reply. With ``interrupt``, Ctrl-C ends the reply with :class:`ReplyInterrupted`,
+        raised between prefill chunks or, after the engine stopped the row, at the next decode block."""
         from minicpm_jax.engine.sampling import SamplingParams
 
         emit = (lambda s: (sys.stdout.write(s), sys.stdout.flush())) if stream else None
@@ -158,19 +161,29 @@ class Runner:
         t_start = time.perf_counter()
 
         def on_prefill(done, total):
+            if interrupt is not None:
+                interrupt.check()
+            if not show_progress:
+                return
             rate = done / max(time.perf_counter() - t_start, 1e-9)
             end = "\n" if done == total else ""
             print(f"\rPrefilling: {100 * done / total:5.1f}% ({done}/{total} tokens) @ {rate:,.0f} tokens/s",
                   end=end, file=sys.stderr, flush=True)
 
+        def on_tokens(new):
+            stop = text.push(new[0])
+            return [0] if stop or (interrupt is not None and interrupt.is_set()) else None
+
         show_progress = progress and len(ids) > self.engine.chunk_length
         sampling = SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=self.seed)
         [result], stats = self.engine.generate(
             [ids], sampling=sampling, max_new_tokens=FLAGS.num_generate, stop_token_ids=self.stop_ids,
-            reuse_prefix=reuse_prefix, on_tokens=lambda new: [0] if text.push(new[0]) else None,
-            on_prefill=on_prefill if show_progress else None,
+            reuse_prefix=reuse_prefix, on_tokens=on_tokens,
+            on_prefill=on_prefill if show_progress or interrupt is not None else None,
         )
         final = text.finish()
+        if interrupt is not None and interrupt.is_set():
+            raise ReplyInterrupted
         finish = "stop" if text.stopped else result.finish_reason
         return final, result, finish, stats
 
@@ -219,15 +232,18 @@ class Runner:
                 continue
             messages.append({"role": "user", "content": line})
             try:
-                ids = self.encode(messages)
-                text, _, _, stats = self.generate(ids, stream=True, progress=True, reuse_prefix=True)
+                with InterruptFlag() as interrupt:  # Ctrl-C stops this reply, not the chat
+                    ids = self.encode(messages)
+                    text, _, _, stats = self.generate(ids, stream=True, progress=True, reuse_prefix=True,
+                                                      interrupt=interrupt)
             except MiniCPMError as e:
                 messages.pop()
                 print(f"\nerror: {e}", file=sys.stderr)
                 continue
-            except KeyboardInterrupt:  # Ctrl-C stops this reply, not the chat
+            except ReplyInterrupted:
+                # Raised between steps, never inside one, so the engine's cache stays consistent and the
+                # next turn reuses the conversation's prefix.
                 messages.pop()
-                self.engine.reset()  # the interrupted turn's cache state is dropped; the next turn prefills anew
                 print("\n(interrupted)", file=sys.stderr)
                 continue
             messages.append({"role": "assistant", "content": text})

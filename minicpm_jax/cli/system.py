@@ -49,3 +49,39 @@ def exit_on_interrupt() -> None:
 def raise_on_interrupt() -> None:
     """Ctrl-C raises KeyboardInterrupt again (Python's default), for phases that handle it."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+class ReplyInterrupted(Exception):
+    """Raised by :class:`InterruptFlag.check` at a point of our choosing (between prefill chunks)."""
+
+
+class InterruptFlag:
+    """Ctrl-C sets a flag instead of raising, for the duration of a ``with`` block.
+
+    A KeyboardInterrupt raised from the signal handler lands wherever Python happens to be: inside one of
+    XLA's garbage-collection callbacks it is printed as "Exception ignored" and lost, and the reply runs
+    to its end. The generation loop instead polls :meth:`is_set` between decode blocks (the engine then
+    stops the row cleanly) and calls :meth:`check` between prefill chunks."""
+
+    def __init__(self):
+        self._set = False
+        self._previous = None
+
+    def _handler(self, signum, frame) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def check(self) -> None:
+        """Raises :class:`ReplyInterrupted` once Ctrl-C was pressed."""
+        if self._set:
+            raise ReplyInterrupted
+
+    def __enter__(self) -> "InterruptFlag":
+        self._set = False
+        self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self._previous)

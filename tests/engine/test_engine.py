@@ -119,6 +119,26 @@ def test_reset_recovers_from_a_donated_cache(engine):
     assert again.token_ids == ref.token_ids
 
 
+def test_prefill_callback_can_abort_between_chunks(engine):
+    """The chat's Ctrl-C raises from on_prefill between chunks: the exception reaches the caller after
+    the first chunk, and the engine stays consistent without a reset: a reuse_prefix call gives the
+    uninterrupted tokens although the aborted prompt overwrote part of the cached one."""
+    prompt = list(np.arange(40) % 90 + 3)  # three 16-token chunks
+    [ref], _ = engine.generate([prompt], max_new_tokens=5)
+    other = list(np.arange(40) % 70 + 5)
+    calls = []
+
+    def abort(done, total):
+        calls.append(done)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([other], max_new_tokens=5, reuse_prefix=True, on_prefill=abort)
+    assert calls == [16]
+    [again], _ = engine.generate([prompt], max_new_tokens=5, reuse_prefix=True)
+    assert again.token_ids == ref.token_ids
+
+
 def test_prompt_longer_than_max_length_is_rejected(engine):
     with pytest.raises(MiniCPMError, match="max_length is 64"):
         engine.generate([list(range(3, 3 + MAX_LEN))])
