@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from minicpm_jax.errors import MiniCPMError
 
@@ -31,8 +32,8 @@ class SamplingParams:
             raise MiniCPMError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise MiniCPMError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 <= self.seed < 2**32:
-            raise MiniCPMError(f"seed must be in [0, 2**32), got {self.seed}")
+        if not 0 <= self.seed < 2**64:
+            raise MiniCPMError(f"seed must be in [0, 2**64), got {self.seed}")
 
 
 SAMPLING_KINDS = ("auto", "greedy", "temperature", "filtered")
@@ -50,8 +51,11 @@ def sampling_kind(params) -> str:
 
 
 def row_key(seed: int) -> jax.Array:
-    """The raw ``uint32[2]`` key of a row with this seed."""
-    return jax.random.PRNGKey(seed)
+    """The raw ``uint32[2]`` key of a row with this 64-bit seed: its high and low words, which is what
+    ``jax.random.PRNGKey`` (threefry) builds from a seed with ``jax_enable_x64``. Written out because
+    without x64 that function keeps only the low 32 bits and refuses seeds from 2**63 (OpenAI clients
+    send up to 2**64 - 1)."""
+    return jnp.asarray(np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32))
 
 
 def filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
