@@ -162,7 +162,8 @@ class StreamDecoder:
 
 class TextStream:
     """Detokenizes new ids, cuts the text at the first stop string and emits (``emit(text)``) only text
-    that can no longer turn out to be the start of a stop string."""
+    that can no longer turn out to be the start of a stop string. ``tokens`` counts the ids taken: all of
+    them, or up to the one that completed the stop string."""
 
     def __init__(self, tokenizer, stops: list[str], emit=None):
         self.decoder = StreamDecoder(tokenizer)
@@ -172,13 +173,19 @@ class TextStream:
         self.emitted = 0
         self.stopped = False
         self.emit = emit
+        self.tokens = 0
 
     def push(self, ids: list[int]) -> bool:
         """Adds ids; returns True once a stop string has been seen."""
         if self.stopped:
             return True
-        self.text += self.decoder.push(ids)
-        self._check_stop()
+        # With stop strings, one id at a time: ``tokens`` then says which id completed the stop string.
+        for batch in ([[i] for i in ids] if self.stops else [list(ids)]):
+            self.text += self.decoder.push(batch)
+            self.tokens += len(batch)
+            self._check_stop()
+            if self.stopped:
+                break
         self._flush(final=self.stopped)
         return self.stopped
 

@@ -11,17 +11,21 @@ engine's ``--max_batch_size`` slots and a finished or disconnected request frees
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import logging
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+import uvicorn
 from absl import app, flags
 from fastapi import Request as HTTPRequest  # module level: FastAPI resolves the string annotations here
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.cli.flags import (
@@ -39,8 +43,15 @@ flags.DEFINE_string("api_key", None, "If set, requests need 'Authorization: Bear
 flags.DEFINE_string("served_model_name", None, "Model id in the API (default: the model directory's name).",
                     module_name=_H)
 flags.DEFINE_integer("max_body_bytes", 1 << 20, "Largest request body accepted (413 beyond).", module_name=_H)
+flags.DEFINE_float("shutdown_grace_s", 25.0, "On SIGTERM / Ctrl-C: seconds running requests may take to finish "
+                   "before they are ended (new and queued requests get 503 at once).", module_name=_H)
+flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"],
+                  "Server log level; info writes an access line per request to stderr.", module_name=_H)
+
+access_log = logging.getLogger("minicpm_jax.access")
 
 RETRY_AFTER_S = 1
+_LEVELS = ("debug", "info", "warning", "error")
 OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # OpenAI's defaults, top_k off
 
 
@@ -49,14 +60,28 @@ class _Schema(BaseModel):
     model_config = ConfigDict(extra="allow")  # clients send many optional OpenAI fields; unknown ones are ignored
 
 
+def _encodable(text: str) -> str:
+    """JSON may carry a lone UTF-16 surrogate (``"\\ud800"``), which no tokenizer can encode: refused as
+    invalid input instead of reaching the tokenizer (whose exception text leaked into the reply)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("contains an unpaired UTF-16 surrogate; send valid Unicode text") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+
+
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    # "developer" is OpenAI's newer name for "system" (o1 and later); it reaches the template as "system"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart]
 
 
 class StreamOptions(BaseModel):
@@ -71,8 +96,8 @@ class _Sampling(_Schema):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, le=1 << 20, description="extension: sample among the k most likely "
                               "tokens; 0 = off")
-    seed: int | None = Field(None, ge=0, lt=2**32)
-    stop: str | list[str] | None = Field(None, description="up to 4 strings, matched on the text")
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stop: Text | list[Text] | None = Field(None, description="up to 4 strings, matched on the text")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only 1 is supported")
@@ -87,15 +112,21 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    prompt: Text | list[Text]
 
 
 # ----------------------------------------------------------------------------- errors
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,
-                 headers: dict | None = None):
+                 headers: dict | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+        self.code = code
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry elsewhere or later", type_="server_error",
+                    code="server_shutting_down")
 
 
 def error_body(message: str, type_: str, param: str | None = None, code=None) -> dict:
@@ -103,31 +134,39 @@ def error_body(message: str, type_: str, param: str | None = None, code=None) ->
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for bodies over ``limit`` bytes (by Content-Length, or counted while read)."""
+    """ASGI middleware: 413 for bodies over ``limit`` bytes, by Content-Length or, for a chunked body,
+    counted while it is read here in full. (Raised from inside the app's own body read, the error was
+    turned into FastAPI's generic 400 "There was an error parsing the body".) The app then gets the
+    buffered body, and later ``receive`` calls go to the client (disconnects stay visible)."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await self._reject(send)
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
+        body, more = bytearray(), True
+        while more:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise _TooLarge()
-            return message
+            if message["type"] != "http.request":  # the client left before sending its body
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.limit:
+                return await self._reject(send)
+        replayed = False
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except _TooLarge:
-            await self._reject(send)
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
     async def _reject(self, send):
         body = json.dumps(error_body(f"request body is larger than {self.limit} bytes", "invalid_request_error")).encode()
@@ -136,8 +175,73 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-class _TooLarge(Exception):
-    pass
+class APIKeyCheck:
+    """ASGI middleware: 401 for ``/v1/`` requests without ``Authorization: Bearer KEY``.
+
+    Plain ASGI on purpose: behind Starlette's ``BaseHTTPMiddleware`` (``@app.middleware("http")``) the
+    route's ``Request.is_disconnected()`` never turns true, so an abandoned non-streaming request ran to
+    its end in a slot nobody read."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            if dict(scope.get("headers") or []).get(b"authorization", b"") != self.expected:
+                body = json.dumps(error_body("missing or wrong API key (Authorization: Bearer KEY)",
+                                             "authentication_error")).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+class AccessLog:
+    """ASGI middleware: one line per request on :data:`access_log` once its response has ended (a stream
+    at its last chunk, or when the client left): method, path, status, request id, prompt / completion
+    tokens and latency. Routes put ``rid`` and ``usage`` (a callable) in the request's state."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not access_log.isEnabledFor(logging.DEBUG if scope["path"] == "/health"
+                                                                   else logging.INFO):
+            return await self.app(scope, receive, send)
+        t0, status, logged = time.perf_counter(), None, False
+        state = scope.setdefault("state", {})
+
+        def log() -> None:
+            nonlocal logged
+            logged = True
+            usage = state["usage"]() if "usage" in state else {}
+            level = logging.DEBUG if scope["path"] == "/health" else logging.INFO  # probes would drown the rest
+            access_log.log(level, "%s %s %s %s prompt_tokens=%s completion_tokens=%s %.3fs", scope["method"], scope["path"],
+                            status or "-", state.get("rid", "-"), usage.get("prompt_tokens", "-"),
+                            usage.get("completion_tokens", "-"), time.perf_counter() - t0)
+
+        async def logged_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False) and not logged:
+                log()
+
+        try:
+            await self.app(scope, receive, logged_send)
+        finally:
+            if not logged:  # the client went away before the response ended
+                status = status or 499
+                log()
+
+
+def _is_field(part) -> bool:
+    """Whether a pydantic error location part names a field or index (not "body", not a union branch tag
+    such as ``str`` or ``function-after[...]``)."""
+    return isinstance(part, int) or (part != "body" and part.isidentifier() and part not in ("str", "int", "float"))
 
 
 # ----------------------------------------------------------------------------- the app
@@ -170,46 +274,54 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from minicpm_jax.engine.sampling import SamplingParams
-    from minicpm_jax.engine.scheduler import QueueFull, Request
+    from minicpm_jax.engine.scheduler import Draining, QueueFull, Request
     from minicpm_jax.tokenizer import encode_prompt
 
     api = FastAPI(title="minicpm-jax", version="1", description=__doc__.split("\n\n")[0])
+    # Tokenizing a long prompt takes up to a second: off the event loop, on one thread (a fast tokenizer
+    # used from several threads at once can fail with "Already borrowed").
+    tokenize = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    async def off_loop(fn, *args, **kw):
+        return await asyncio.get_running_loop().run_in_executor(tokenize, lambda: fn(*args, **kw))
+
     max_length = scheduler.engine.max_length
     created = int(time.time())
 
     @api.exception_handler(APIError)
     async def _api_error(_, e: APIError):
-        return JSONResponse(error_body(e.message, e.type, e.param), status_code=e.status, headers=e.headers)
+        return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
 
     @api.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            message = "the request body is not valid JSON"
-        elif where:
+        if first.get("type") == "json_invalid":  # its loc is a byte offset, not a parameter
+            ctx = (first.get("ctx") or {}).get("error")
+            return JSONResponse(error_body(f"the request body is not valid JSON{f' ({ctx})' if ctx else ''}",
+                                           "invalid_request_error"), status_code=400)
+        where = ".".join(str(x) for x in first.get("loc", ()) if _is_field(x)) or None
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        if where:
             message = f"{where}: {message}"
         return JSONResponse(error_body(message, "invalid_request_error", where), status_code=400)
 
-    @api.exception_handler(404)
-    async def _not_found(request, _):
-        return JSONResponse(error_body(f"no route {request.url.path}", "invalid_request_error"), status_code=404)
-
-    @api.exception_handler(405)
-    async def _bad_method(request, _):
-        return JSONResponse(error_body(f"{request.method} is not allowed on {request.url.path}", "invalid_request_error"),
-                            status_code=405)
-
-    @api.middleware("http")
-    async def _auth(request: HTTPRequest, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return JSONResponse(error_body("missing or wrong API key (Authorization: Bearer KEY)",
-                                               "authentication_error"), status_code=401)
-        return await call_next(request)
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        if e.status_code == 404:
+            return JSONResponse(error_body(f"no route {request.url.path}", "invalid_request_error"), status_code=404)
+        if e.status_code == 405:
+            return JSONResponse(error_body(f"{request.method} is not allowed on {request.url.path}",
+                                           "invalid_request_error"), status_code=405)
+        message = str(e.detail)
+        if e.status_code == 400 and "parsing the body" in message:
+            # FastAPI's words for a body json.loads could not take: bytes that are not UTF-8, nesting
+            # deeper than Python's recursion limit.
+            message = "the request body is not valid JSON (UTF-8 text, nested at most a few hundred levels)"
+        return JSONResponse(error_body(message, "invalid_request_error"), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
 
     @api.get("/health")
     async def health():
@@ -242,6 +354,11 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
             raise APIError(400, str(e)) from None
         return stops, sampling, max_tokens or room
 
+    def _check_model(body: _Sampling) -> None:
+        if body.model is not None and body.model != model_name:  # as OpenAI and vLLM answer
+            raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{model_name}` "
+                                "(GET /v1/models)", param="model", code="model_not_found")
+
     async def _run(body: _Sampling, ids: list[int], max_tokens: int | None, http: HTTPRequest, kind: str):
         stops, sampling, budget = _prepare(body, ids, max_tokens)
         gen = Generation(asyncio.get_running_loop(), tokenizer, stops)
@@ -251,11 +368,15 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
         except QueueFull as e:
             raise APIError(429, f"server busy: {e}; retry later", type_="rate_limit_error",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except Draining:
+            raise shutting_down() from None
         except MiniCPMError as e:
             raise APIError(400, str(e)) from None
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(req.output),
-                         "total_tokens": len(ids) + len(req.output)}
+        # Tokens delivered: past a stop string the rest of the decode block is generated but not billed.
+        usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": gen.text.tokens,
+                         "total_tokens": len(ids) + gen.text.tokens}
+        http.state.rid, http.state.usage = rid, usage
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(gen, req, rid, kind, usage, include_usage), media_type="text/event-stream",
@@ -279,6 +400,8 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
             raise
         if finish == "error":
             raise APIError(500, f"generation failed: {error}", type_="server_error")
+        if finish == "shutdown":
+            raise shutting_down()
         content = "".join(text)
         choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}
                   if kind == "chat" else {"index": 0, "text": content, "finish_reason": finish, "logprobs": None})
@@ -308,8 +431,11 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
                     yield chunk(event[1], None)
                     continue
                 reason, error = event[1], event[2]
-                if reason == "error":
-                    yield f"data: {json.dumps(error_body(f'generation failed: {error}', 'server_error'))}\n\n"
+                if reason in ("error", "shutdown"):
+                    e = shutting_down() if reason == "shutdown" else None
+                    body = (error_body(e.message, e.type, code=e.code) if e else
+                            error_body(f"generation failed: {error}", "server_error"))
+                    yield f"data: {json.dumps(body)}\n\n"
                 else:
                     yield chunk(None, reason)
                     if include_usage:
@@ -321,11 +447,13 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
-        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-                     else "".join(p.text for p in m.content)} for m in body.messages]
+        _check_model(body)
+        messages = [{"role": "system" if m.role == "developer" else m.role,
+                     "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+                    for m in body.messages]
         try:
-            ids = encode_prompt(tokenizer, messages=messages, use_chat_template=True,
-                                enable_thinking=body.enable_thinking, template_kwargs=body.chat_template_kwargs)
+            ids = await off_loop(encode_prompt, tokenizer, messages=messages, use_chat_template=True,
+                                 enable_thinking=body.enable_thinking, template_kwargs=body.chat_template_kwargs)
         except MiniCPMError as e:
             raise APIError(400, str(e), param="chat_template_kwargs") from None
         except Exception as e:
@@ -334,15 +462,16 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
+        _check_model(body)
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if len(prompts) != 1:
             raise APIError(400, "prompt must be one string (batched prompts are not supported)", param="prompt")
-        ids = encode_prompt(tokenizer, prompts[0], use_chat_template=False)
+        ids = await off_loop(encode_prompt, tokenizer, prompts[0], use_chat_template=False)
         if not ids:
             raise APIError(400, "prompt is empty", param="prompt")
         return await _run(body, ids, body.max_tokens, http, "completion")
 
-    return BodyLimit(api, max_body_bytes)
+    return AccessLog(BodyLimit(APIKeyCheck(api, api_key) if api_key else api, max_body_bytes))
 
 
 def main(argv) -> None:
@@ -360,8 +489,6 @@ def main(argv) -> None:
 
 
 def _serve() -> None:
-    import uvicorn
-
     from minicpm_jax.engine.engine import Engine
     from minicpm_jax.engine.scheduler import Scheduler
     from minicpm_jax.tokenizer import sampling_defaults, stop_token_ids
@@ -370,12 +497,19 @@ def _serve() -> None:
     if FLAGS.draft_path is not None:
         raise MiniCPMError("the server does not run speculative decoding yet (its continuous batching uses plain "
                            "decode steps); drop --draft_path, or use `python -m minicpm_jax.run --draft_path ...`")
+    if not FLAGS.shutdown_grace_s >= 0:
+        raise MiniCPMError(f"--shutdown_grace_s must be >= 0, got {FLAGS.shutdown_grace_s}")
     for name in ("max_batch_size", "max_body_bytes"):
         if getattr(FLAGS, name) < 1:
             raise MiniCPMError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
     if FLAGS.max_queue < 0 or not 0 < FLAGS.port < 65536:
         raise MiniCPMError("--max_queue must be >= 0 and --port in 1..65535")
     sock = listening_socket(FLAGS.host, FLAGS.port)  # before the model loads: a busy port fails at once
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    access_log.addHandler(handler)
+    access_log.setLevel(FLAGS.log_level.upper())
+    access_log.propagate = False
     apply_system_flags()
     model_path, model, tokenizer, load_s = load_from_flags(progress=True, batch_size=FLAGS.max_batch_size)
     engine = Engine(model, batch_size=FLAGS.max_batch_size, chunk_length=FLAGS.chunk_length,
@@ -393,10 +527,43 @@ def _serve() -> None:
     application = create_app(scheduler, tokenizer, model_name=name, stop_ids=stops, api_key=FLAGS.api_key,
                              max_body_bytes=FLAGS.max_body_bytes, sampling_defaults=sampling_defaults(model_path))
     try:
-        config = uvicorn.Config(application, log_level="warning", timeout_graceful_shutdown=2)
-        uvicorn.Server(config).run(sockets=[sock])
+        config = uvicorn.Config(application, log_level=max(FLAGS.log_level, "warning", key=_LEVELS.index),
+                                timeout_graceful_shutdown=2)
+        DrainingServer(config, scheduler, FLAGS.shutdown_grace_s).run(sockets=[sock])
     finally:
         scheduler.stop()
+    print("minicpm-jax: stopped", file=sys.stderr)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain on SIGTERM / SIGINT: new and queued requests get 503 at once, running
+    ones may finish within ``grace_s``, the rest end with a 503 error (streams: an error event and
+    ``[DONE]``), then the server exits with status 0. A second signal ends the running requests at once.
+    (uvicorn alone waits 2 s, cancels the tasks, whose streams stop with no ``[DONE]``, and re-raises the
+    signal: exit 143.)"""
+
+    def __init__(self, config, scheduler, grace_s: float):
+        super().__init__(config)
+        self.scheduler, self.grace_s, self.draining = scheduler, grace_s, False
+
+    def handle_exit(self, sig, frame) -> None:  # a signal handler: it takes no lock, a thread drains
+        if self.draining:
+            threading.Thread(target=self.scheduler.cancel_all, daemon=True).start()
+            return
+        self.draining = True
+        print(f"minicpm-jax: draining (up to {self.grace_s:g} s for running requests)", file=sys.stderr, flush=True)
+        threading.Thread(target=self._drain, name="drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        self.scheduler.drain()
+        deadline = time.monotonic() + self.grace_s
+        while not self.scheduler.idle and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not self.scheduler.idle:
+            self.scheduler.cancel_all("shutdown")
+            while not self.scheduler.idle:
+                time.sleep(0.05)
+        self.should_exit = True  # uvicorn then closes the connections once their responses are sent
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

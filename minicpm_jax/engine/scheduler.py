@@ -35,13 +35,18 @@ class QueueFull(MiniCPMError):
     """The request queue is at its limit; retry later."""
 
 
+class Draining(MiniCPMError):
+    """The scheduler admits no more requests (the server is shutting down)."""
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """One generation request.
 
     on_tokens(new_ids) is called with each block of new token ids and may return True to stop the row
     (e.g. a stop string was matched). on_finish(finish_reason, error) is called once at the end:
-    finish_reason is "stop", "length" or "cancelled"; error is a message if the engine failed.
+    finish_reason is "stop", "length", "cancelled" (the client went away), "shutdown" (ended by
+    :meth:`Scheduler.drain` / :meth:`Scheduler.cancel_all`) or "error" (with the engine's message).
     """
 
     prompt_ids: list[int]
@@ -52,6 +57,7 @@ class Request:
     on_finish: Callable[[str, str | None], None]
     output: list[int] = dataclasses.field(default_factory=list)
     cancelled: bool = False
+    end_reason: str = "cancelled"  # the finish reason a cancelled request ends with
 
 
 class Scheduler:
@@ -72,6 +78,7 @@ class Scheduler:
         self._queue: collections.deque[Request] = collections.deque()
         self._cv = threading.Condition()
         self._stopping = False
+        self._draining = False
         self._thread: threading.Thread | None = None
         self._ds = engine.decode_state([], [], [])  # every slot starts finished
         engine.reset()
@@ -96,18 +103,45 @@ class Scheduler:
         self.check(request.prompt_ids, request.max_new_tokens)
         stop_table([request.stop_ids], 1)  # validates the stop-id count
         with self._cv:
-            if self._stopping:
-                raise MiniCPMError("the scheduler is shutting down")
+            if self._stopping or self._draining:
+                raise Draining("the server is shutting down")
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"{len(self._queue)} requests are already waiting")
             self._queue.append(request)
             self._cv.notify()
 
-    def cancel(self, request: Request) -> None:
-        """Stops ``request`` (queued or running) at the next block; its slot is freed."""
+    def cancel(self, request: Request, reason: str = "cancelled") -> None:
+        """Stops ``request`` (queued or running) at the next block; its slot is freed and it finishes with
+        ``reason`` (unless it already ended)."""
         with self._cv:
-            request.cancelled = True
+            if not request.cancelled:
+                request.cancelled, request.end_reason = True, reason
             self._cv.notify()
+
+    def drain(self) -> None:
+        """Admits nothing more: ``submit`` raises :class:`Draining` from now on and queued requests end as
+        "shutdown" at once (called from any thread); running requests go on to their end."""
+        with self._cv:
+            self._draining = True
+            while self._queue:
+                req = self._queue.popleft()
+                self.finished["shutdown"] += 1
+                req.on_finish("shutdown", None)
+            self._cv.notify()
+
+    def cancel_all(self, reason: str = "shutdown") -> None:
+        """Ends every running and queued request at the next block with ``reason``."""
+        with self._cv:
+            for req in [*self.slots, *self._queue]:
+                if req is not None and not req.cancelled:
+                    req.cancelled, req.end_reason = True, reason
+            self._cv.notify()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running and nothing queued."""
+        with self._cv:
+            return not self._queue and self.active == 0
 
     @property
     def completed(self) -> int:
@@ -169,8 +203,8 @@ class Scheduler:
             while free and self._queue:
                 req = self._queue.popleft()
                 if req.cancelled:
-                    self.finished["cancelled"] += 1
-                    req.on_finish("cancelled", None)
+                    self.finished[req.end_reason] += 1
+                    req.on_finish(req.end_reason, None)
                     continue
                 taken.append((free.pop(0), req))
         if not taken:
@@ -197,7 +231,7 @@ class Scheduler:
     def _drop_cancelled(self) -> None:
         gone = [slot for slot, req in enumerate(self.slots) if req is not None and req.cancelled]
         for slot in gone:
-            self._finish(slot, "cancelled")
+            self._finish(slot, self.slots[slot].end_reason)
         self._mark_done(gone)
 
     def _decode(self) -> None:
@@ -221,7 +255,7 @@ class Scheduler:
                 log.exception("on_tokens callback failed; cancelling that request")
                 req.cancelled = True
         if req.cancelled:
-            self._finish(slot, "cancelled")
+            self._finish(slot, req.end_reason)
             return True
         if device_done:
             self._finish(slot, FINISH_NAMES.get(finish, "stop"))

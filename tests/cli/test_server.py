@@ -156,6 +156,12 @@ MSG = [{"role": "user", "content": "Hi"}]
     ("prompt over context", {"messages": [{"role": "user", "content": "word " * 3000}]}, 400, "context"),
     ("oversized body", {"messages": [{"role": "user", "content": "x" * (2 << 20)}]}, 413, "larger than"),
     ("completion prompt list", {"prompt": ["a", "b"]}, 400, "one string"),
+    ("invalid utf-8", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "not valid JSON"),
+    ("nested 100k deep", b"[" * 100_000 + b"]" * 100_000, 400, "not valid JSON"),
+    ("lone surrogate", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "unpaired UTF-16 surrogate"),
+    ("completion lone surrogate", b'{"prompt": "a\\udfffb"}', 400, "unpaired UTF-16 surrogate"),
+    ("unknown model", {"model": "gpt-4o", "messages": MSG}, 404, "The model `gpt-4o` does not exist"),
+    ("seed over 64 bits", {"messages": MSG, "seed": 2**64}, 400, "seed"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, case, body, status, text):
     path = "/v1/completions" if case.startswith("completion") else "/v1/chat/completions"
@@ -163,7 +169,84 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cas
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert text in err["message"] and err["type"] == "invalid_request_error"
+    assert "Traceback" not in err["message"] and "Error(" not in err["message"]  # no exception text leaks
+    if isinstance(body, bytes):  # a body that is not valid JSON has no parameter (once, a byte offset)
+        assert err["param"] in (None, "messages.0.content", "prompt")
     assert _post(server, {"messages": MSG, "max_tokens": 2}).status_code == 200
+
+
+def test_chunked_body_over_the_limit_gets_413(server):
+    """Without Content-Length the body is counted as it arrives (it was FastAPI's generic 400)."""
+    chunks = (b"x" * 65536 for _ in range(40))  # 2.6 MB, sent chunked
+    r = httpx.post(server.url + "/v1/chat/completions", content=chunks, timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+
+
+def test_abandoned_non_streaming_request_frees_its_slot(server):
+    """A client that gives up on a non-streaming call is cancelled within about a second (behind the old
+    BaseHTTPMiddleware auth hook the disconnect was never seen and the request ran to its end)."""
+    before = httpx.get(server.url + "/health").json()["finished"].get("cancelled", 0)
+    body = {"messages": [{"role": "user", "content": "Count from 1 to 1000, separated by commas."}],
+            "max_tokens": 450, "temperature": 0}
+    assert _post(server, {**body, "max_tokens": 20}).status_code == 200  # compiled: the timing is the cancel's
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=4, headers={"Authorization": f"Bearer {KEY}"})
+    gave_up = time.perf_counter()
+    while httpx.get(server.url + "/health").json()["active"] and time.perf_counter() - gave_up < 30:
+        time.sleep(0.1)
+    freed_s = time.perf_counter() - gave_up
+    health = httpx.get(server.url + "/health").json()
+    print(f"\nslot freed {freed_s:.2f} s after the client gave up")
+    assert health["active"] == 0 and health["finished"]["cancelled"] == before + 1
+    assert freed_s < 5  # ~1 s here (0.5 s disconnect polling, then one decode block); slack for a busy CI machine
+    assert " 499 chatcmpl-" in server.output()  # its access line
+
+
+def test_usage_counts_the_tokens_delivered_before_a_stop_string(client):
+    """completion_tokens after a stop string is the number of tokens up to the one that completed it
+    (it was the whole decode block): n tokens contain the stop string, n - 1 do not."""
+    question = "What is the capital of France?"
+    cut = _chat(client, question, 40, stop=["is Par"])
+    n = cut.usage.completion_tokens
+    assert cut.choices[0].finish_reason == "stop" and n < _chat(client, question, 40).usage.completion_tokens
+    assert "is Par" in _chat(client, question, n).choices[0].message.content
+    assert "is Par" not in _chat(client, question, n - 1).choices[0].message.content
+
+
+def test_developer_role_64_bit_seeds_and_the_access_log(client, server):
+    """role developer is OpenAI's newer system role (same reply as system); a seed near 2**64 samples,
+    reproducibly; every request has an access line with its id, status and token counts."""
+    def ask(role):
+        return client.chat.completions.create(model="smollm2", max_tokens=12, temperature=0, messages=[
+            {"role": role, "content": "Answer in French."}, {"role": "user", "content": "Hello!"}])
+    dev = ask("developer")
+    assert dev.choices[0].message.content == ask("system").choices[0].message.content
+    sampled = [client.chat.completions.create(model="smollm2", max_tokens=8, temperature=1.0, seed=2**64 - 1,
+                                              messages=[{"role": "user", "content": "Tell me a word."}])
+               .choices[0].message.content for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    usage = dev.usage
+    assert (f"POST /v1/chat/completions 200 {dev.id} prompt_tokens={usage.prompt_tokens} "
+            f"completion_tokens={usage.completion_tokens} ") in server.output()
+
+
+def test_tokenizing_a_huge_prompt_does_not_stall_the_server(server):
+    """A ~1 MB prompt takes about a second to tokenize; it runs off the event loop, so /health keeps
+    answering meanwhile (on the loop it stalled every request for that long)."""
+    import threading
+
+    big = {"messages": [{"role": "user", "content": "lorem ipsum dolor sit amet " * 36_000}]}
+    result = {}
+    sender = threading.Thread(target=lambda: result.setdefault("r", _post(server, big)))
+    sender.start()
+    latencies = []
+    while sender.is_alive():
+        t = time.perf_counter()
+        httpx.get(server.url + "/health", timeout=30)
+        latencies.append(time.perf_counter() - t)
+    assert result["r"].status_code == 400 and "tokens but the context is 512" in result["r"].json()["error"]["message"]
+    assert len(latencies) >= 3 and max(latencies) < 0.5, latencies
 
 
 def test_api_key_required(server):
@@ -177,7 +260,7 @@ def test_api_key_required(server):
 def test_full_queue_gets_429_and_the_api_survives_fuzzing(smollm2_dir):
     small = Server("--max_batch_size", "1", "--max_queue", "1", "--max_length", "96", "--decode_block", "4")
     try:
-        body = {"model": "x", "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 40,
+        body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 40,
                 "temperature": 0}
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             codes = list(pool.map(lambda _: httpx.post(small.url + "/v1/chat/completions", json=body, timeout=120), range(6)))
@@ -209,3 +292,61 @@ def test_a_busy_port_is_refused_before_the_model_loads(smollm2_dir):
     assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
     assert "serving on" not in r.stderr and "Traceback" not in r.stderr
     assert time.perf_counter() - t < 60  # no model was loaded (that alone takes longer on a CPU)
+
+
+def _sse(server, content: str, max_tokens: int) -> list:
+    """The data payloads of one streaming chat request (parsed JSON, or the string "[DONE]")."""
+    import json
+
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True}
+    events = []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+    return events
+
+
+def test_sigterm_drains_then_exits_0(smollm2_dir):
+    """SIGTERM: queued and new requests get 503 at once, a running stream that ends within
+    --shutdown_grace_s ends as usual, one that does not gets an error event and [DONE], exit status 0
+    (uvicorn alone cut every stream without [DONE] and exited 143)."""
+    import signal
+    import threading
+
+    s = Server("--max_batch_size", "2", "--max_queue", "4", "--max_length", "512", "--decode_block", "4",
+               "--shutdown_grace_s", "8")
+    try:
+        short_alone = _sse(s, "Say hello.", 24)  # also compiles the steps
+        results = {}
+        threads = [threading.Thread(target=lambda: results.setdefault("short", _sse(s, "Say hello.", 24))),
+                   threading.Thread(target=lambda: results.setdefault("long", _sse(
+                       s, "Count from 1 to 1000, separated by commas.", 450)))]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 120
+        while httpx.get(s.url + "/health").json()["active"] < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        queued = concurrent.futures.ThreadPoolExecutor(1).submit(
+            _post, s, {"messages": MSG, "max_tokens": 5}, key=None)
+        while httpx.get(s.url + "/health").json()["queued"] < 1 and time.time() < deadline:
+            time.sleep(0.05)
+        s.proc.send_signal(signal.SIGTERM)
+        while "draining" not in s.output() and time.time() < deadline:
+            time.sleep(0.05)
+        late = _post(s, {"messages": MSG, "max_tokens": 5}, key=None)
+        assert queued.result().status_code == 503 and late.status_code == 503
+        assert late.json()["error"]["code"] == "server_shutting_down"
+        for t in threads:
+            t.join(120)
+        assert s.proc.wait(60) == 0, s.output()
+    finally:
+        s.stop()
+    text = lambda events: "".join(e["choices"][0]["delta"].get("content", "") for e in events
+                                  if isinstance(e, dict) and e.get("choices"))
+    assert text(results["short"]) == text(short_alone) and results["short"][-1] == "[DONE]"
+    assert results["short"][-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    long = results["long"]
+    assert long[-1] == "[DONE]" and long[-2]["error"]["code"] == "server_shutting_down", long[-3:]
+    assert len(long) > 5  # it streamed for the grace period first

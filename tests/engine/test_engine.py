@@ -219,3 +219,24 @@ def test_command_buffer_flag_is_added_once_and_never_overrides_the_user(monkeypa
     assert enable_command_buffers() is False
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
     assert enable_command_buffers() is False and os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer="
+
+
+def test_seeds_take_all_64_bits():
+    """row_key is threefry's seeding (jax.random.PRNGKey under x64) for every 64-bit seed: seeds that
+    differ only above bit 32 sample differently (without x64, PRNGKey drops those bits)."""
+    from minicpm_jax.engine.sampling import row_key
+
+    seeds = [0, 7, 2**31 + 3, 2**32 - 1, 2**32, 2**40 + 9, 2**63 - 1]
+    with jax.enable_x64(True):
+        want = [np.asarray(jax.random.PRNGKey(s)) for s in seeds]
+    for s, w in zip(seeds, want):
+        np.testing.assert_array_equal(np.asarray(row_key(s)), w)
+    np.testing.assert_array_equal(np.asarray(row_key(2**64 - 1)), [2**32 - 1, 2**32 - 1])
+    logits = jnp.zeros((1, 1000), jnp.float32)
+    one = jnp.ones(1)
+    draws = [int(sample(logits, row_key(s)[None], jnp.zeros(1, jnp.int32), one, jnp.zeros(1, jnp.int32), one)[0])
+             for s in (5, 2**32 + 5, 2**64 - 1)]
+    assert len(set(draws)) == 3
+    SamplingParams(seed=2**64 - 1)
+    with pytest.raises(MiniCPMError, match="seed must be in"):
+        SamplingParams(seed=2**64)

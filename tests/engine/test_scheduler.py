@@ -14,7 +14,7 @@ from flax import nnx
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.engine.engine import Engine
 from minicpm_jax.engine.sampling import SamplingParams
-from minicpm_jax.engine.scheduler import QueueFull, Request, Scheduler
+from minicpm_jax.engine.scheduler import Draining, QueueFull, Request, Scheduler
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
 from tests.helpers import tiny_minicpm_config
@@ -113,3 +113,29 @@ def test_scheduler_thread_serves_and_stops(tiny_model):
     assert finished == ["length"] * 4
     with pytest.raises(MiniCPMError, match="shutting down"):
         sched.submit(_request([1, 2], 3)[0])
+
+
+def test_drain_ends_the_queue_and_lets_running_rows_finish(tiny_model):
+    """drain(): queued requests end as "shutdown" at once, submit raises Draining, running rows go on to
+    their own end with their solo tokens; cancel_all() then ends whatever still runs as "shutdown"."""
+    solo = Engine(tiny_model, batch_size=1, chunk_length=16, decode_block=4)
+    (want,), _ = solo.generate([[3, 4, 5]], max_new_tokens=10)
+    sched = Scheduler(Engine(tiny_model, batch_size=2, chunk_length=16, decode_block=4), max_queue=4)
+    short, short_rec = _request([3, 4, 5], 10)
+    long, long_rec = _request([6, 7, 8], 80)
+    waiting, waiting_rec = _request([9, 10], 5)
+    for req in (short, long, waiting):
+        sched.submit(req)
+    sched.step()  # admits short and long; waiting stays queued
+    sched.drain()
+    assert waiting_rec["finish"] == "shutdown" and not waiting.output and sched.queued == 0
+    with pytest.raises(Draining):
+        sched.submit(_request([1], 3)[0])
+    while short_rec.get("finish") is None:
+        sched.step()
+    assert short_rec["finish"] == "length" and short.output == want.token_ids
+    assert not sched.idle and long_rec.get("finish") is None
+    sched.cancel_all()
+    sched.step()
+    assert long_rec["finish"] == "shutdown" and sched.idle and len(long.output) < 80
+    assert sched.finished == collections.Counter({"length": 1, "shutdown": 2})
