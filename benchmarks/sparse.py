@@ -144,16 +144,19 @@ def bench_sparse_prefill(config: ModelConfig, sparse: SparseConfig, length: int,
     return {"context": length, "chunk": chunk, "seconds": seconds}
 
 
-def bench_sparse_decode(config: ModelConfig, sparse: SparseConfig, length: int, dtype, repeats: int) -> dict:
+def bench_sparse_decode(config: ModelConfig, sparse: SparseConfig, length: int, dtype, repeats: int,
+                        layers: int = 0) -> dict:
     """Seconds per layer for one decode token against ``length`` cached tokens: dense flash-decoding,
     the sparse decode path, and the general path with its stage 1, stage 1 + selection (pooled in the
-    selection kernel, and in XLA), and its block-sparse kernel."""
+    selection kernel, and in XLA), and its block-sparse kernel. ``layers``: layers per timed loop
+    iteration (0: 8 to 16, see below; the CPU smoke test takes 2, the compile time of each loop grows
+    with them)."""
     itemsize = jnp.dtype(dtype).itemsize
     kv_bytes = 2 * config.num_kv_heads * length * config.head_dim * itemsize
     # At least 8 layers per loop iteration: the jitted loop's own cost per iteration (~10 us on an H100) is
     # spread over them (with 2 layers it added ~5 us to each layer's sparse decode time, a fifth of it);
     # more layers where a layer's K/V is small, so the timed reads never come from L2.
-    layers = max(8, min(16, -(-4 * L2_BYTES // kv_bytes)))
+    layers = layers or max(8, min(16, -(-4 * L2_BYTES // kv_bytes)))
     cache = _cache(config, sparse, layers, length, dtype, seed=length)
     q = jax.random.normal(jax.random.PRNGKey(2), (1, 1, config.num_heads, config.head_dim), jnp.float32).astype(dtype)
     pos = jnp.array([[length - 1]], jnp.int32)
@@ -207,13 +210,13 @@ def bench_sparse_decode(config: ModelConfig, sparse: SparseConfig, length: int, 
 
 
 def bench_sparse(config: ModelConfig, sparse: SparseConfig, prefill_contexts: list[int], decode_contexts: list[int],
-                 chunk: int, dtype, repeats: int) -> dict:
+                 chunk: int, dtype, repeats: int, decode_layers: int = 0) -> dict:
     return {
         "heads": [config.num_heads, config.num_kv_heads, config.head_dim],
         "sparse_config": {k: getattr(sparse, k) for k in ("kernel_size", "kernel_stride", "block_size", "window_size",
                                                           "topk", "init_blocks", "dense_len")},
         "prefill": [bench_sparse_prefill(config, sparse, c, chunk, dtype, repeats) for c in prefill_contexts],
-        "decode": [bench_sparse_decode(config, sparse, c, dtype, repeats) for c in decode_contexts],
+        "decode": [bench_sparse_decode(config, sparse, c, dtype, repeats, decode_layers) for c in decode_contexts],
     }
 
 

@@ -109,9 +109,11 @@ def test_bench_sparse_smoke_on_cpu(tmp_path):
     writes its tables; e2e takes --sparse_modes."""
     out = tmp_path / "bench.json"
     r = _bench("--scenarios", "sparse", "--shape", "minicpm4-tiny", "--sparse_prefill_contexts", "256",
-               "--sparse_decode_contexts", "256", "--chunk_length", "128", "--repeats", "1", "--json_out", str(out))
+               "--sparse_decode_contexts", "256", "--sparse_decode_layers", "2", "--chunk_length", "128",
+               "--repeats", "1", "--json_out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())["sparse"]
+    assert result["decode"][0]["layers"] == 2
     assert set(result["prefill"][0]["seconds"]) == {"dense", "sparse", "sparse_unsplit", "scores", "select", "select_xla_pool"}
     assert set(result["decode"][0]["seconds"]) == {"dense", "sparse", "sparse_unfused", "scores", "select",
                                                        "select_xla_pool", "stage2"}
