@@ -26,12 +26,13 @@ Scales are applied once per group to the partial sum: ``Σ x·s·(q − z) = s·
 
 Shared signature::
 
-    f(x, qweight, scales, zeros=None, perm=None, *, group_size) -> y
+    f(x, qweight, scales, zeros=None, perm=None, *, group_size, out_dtype=None) -> y
 
 (the Pallas function adds launch overrides: ``config``, ``splits``, ``kernel``, ``interpret``).
 
 x ``[..., K]``; scales/zeros ``[K/group_size, N]``; perm ``int32 [K]`` or None (act-order: ``x[...,
-perm]`` is what multiplies the stored rows); y ``[..., N]`` in x.dtype.
+perm]`` is what multiplies the stored rows); y ``[..., N]`` in ``out_dtype`` (default x.dtype; float32
+keeps the fp32 accumulation, e.g. for partial sums that are added across devices).
 """
 
 from __future__ import annotations
@@ -129,13 +130,13 @@ def dequantize(qweight, scales, zeros=None, *, group_size: int, dtype=jnp.float3
     return w.astype(dtype)
 
 
-def int4_matmul_reference(x, qweight, scales, zeros=None, perm=None, *, group_size: int):
+def int4_matmul_reference(x, qweight, scales, zeros=None, perm=None, *, group_size: int, out_dtype=None):
     """``x [..., K] @ dequant(W) → [..., N]`` in plain jnp (fp32 accumulation; the model's xla path)."""
     if perm is not None:
         x = jnp.take(x, perm, axis=-1)
     w = dequantize(qweight, scales, zeros, group_size=group_size, dtype=x.dtype)
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    return jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision).astype(x.dtype)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision).astype(out_dtype or x.dtype)
 
 
 def _codes_to_f32(q: jax.Array) -> jax.Array:
@@ -356,6 +357,7 @@ def int4_matmul(
     perm=None,
     *,
     group_size: int,
+    out_dtype=None,
     config: Int4Config | None = None,
     splits: int | None = None,
     kernel: str | None = None,
@@ -375,7 +377,7 @@ def int4_matmul(
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     if m > MAX_KERNEL_ROWS and config is None:  # prefill chunks: dequantize once, then the XLA GEMM
-        return int4_matmul_reference(x, qweight, scales, zeros, perm, group_size=group_size)
+        return int4_matmul_reference(x, qweight, scales, zeros, perm, group_size=group_size, out_dtype=out_dtype)
     kernel = kernel or default_kernel(m, group_size)
     if kernel not in KERNELS:
         raise ValueError(f"unknown int4 kernel {kernel!r}; expected one of {KERNELS}")
@@ -386,7 +388,7 @@ def int4_matmul(
         raise ValueError(f"block_k {block_k} x {num_splits} splits does not tile K={k} in groups of {group_size}")
     if kernel != "tile":
         return _planes_matmul(x2, qweight, scales, zeros, perm, cfg, num_splits, chunk, group_size, kernel,
-                              interpret).astype(x.dtype).reshape(*lead, n)
+                              interpret).astype(out_dtype or x.dtype).reshape(*lead, n)
     if perm is not None:
         x2 = jnp.take(x2, perm, axis=1)
     gemv = m == 1
@@ -419,7 +421,7 @@ def int4_matmul(
         **launch_options(KernelConfig(block_m, chunk, cfg.num_warps, cfg.num_stages), interpret),
     )(*args)
     y = partial[0] if num_splits == 1 else jnp.sum(partial, axis=0)
-    return y[:m].astype(x.dtype).reshape(*lead, n)
+    return y[:m].astype(out_dtype or x.dtype).reshape(*lead, n)
 
 
 def _planes_matmul(x2, qweight, scales, zeros, perm, cfg: Int4Config, num_splits: int, chunk: int,
