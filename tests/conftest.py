@@ -5,10 +5,15 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import jax
-import pytest
+# Eight CPU devices (before JAX starts), so tensor parallelism is tested over 2, 4 and 8 of them; every
+# other test runs on the first, as on one device.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
 
-from tests import helpers
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from tests import helpers  # noqa: E402
 
 # Exact fp32 comparisons: no TF32 on GPUs.
 jax.config.update("jax_default_matmul_precision", "highest")

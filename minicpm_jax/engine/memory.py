@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from minicpm_jax.config import ModelConfig, SparseConfig
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.cache import KVCache
+from minicpm_jax.model.parallel import TensorParallel
 
 CPU_AUTO_LENGTH = 2048  # --max_length auto on a CPU: the interactive default, not a memory question
 BLOCK = 64  # auto lengths are whole InfLLM-v2 blocks (and tile the attention kernels' key blocks)
@@ -68,20 +69,23 @@ def workspace_bytes(config: ModelConfig, batch_size: int, chunk_length: int, dty
 
 
 def plan(config: ModelConfig, *, max_length: int, batch_size: int, dtype, sparse: SparseConfig | None,
-         weights: int, budget: int, chunk_length: int) -> MemoryPlan:
-    """The :class:`MemoryPlan` of a cache of ``max_length`` tokens (``sparse``: with compressed keys)."""
+         weights: int, budget: int, chunk_length: int, tensor_parallel: int = 1) -> MemoryPlan:
+    """The :class:`MemoryPlan` of a cache of ``max_length`` tokens (``sparse``: with compressed keys) on each
+    device; ``weights`` and ``budget`` are per device, and a model split over ``tensor_parallel`` devices
+    holds its share of the cache (KV heads copied where there are more devices than KV heads)."""
+    tp = TensorParallel.of(config, tensor_parallel)
+    cache = KVCache.nbytes(config, batch_size, max_length, dtype, sparse, kv_heads=tp.stored_kv_heads) // tp.size
     return MemoryPlan(max_length, batch_size, budget, weights,
-                      workspace_bytes(config, batch_size, min(chunk_length, max_length), dtype),
-                      KVCache.nbytes(config, batch_size, max_length, dtype, sparse))
+                      workspace_bytes(config, batch_size, min(chunk_length, max_length), dtype), cache)
 
 
 def auto_max_length(config: ModelConfig, *, batch_size: int, dtype, sparse: SparseConfig | None, weights: int,
-                    budget: int, chunk_length: int) -> int:
+                    budget: int, chunk_length: int, tensor_parallel: int = 1) -> int:
     """The largest cache length (whole 64-token blocks, at most ``config.context_limit``) whose plan
     fits ``budget``; MiniCPMError when not even one block fits."""
     def fits(n: int) -> bool:
         return plan(config, max_length=n, batch_size=batch_size, dtype=dtype, sparse=sparse, weights=weights,
-                    budget=budget, chunk_length=chunk_length).fits
+                    budget=budget, chunk_length=chunk_length, tensor_parallel=tensor_parallel).fits
 
     if fits(config.context_limit):
         return config.context_limit
@@ -91,22 +95,22 @@ def auto_max_length(config: ModelConfig, *, batch_size: int, dtype, sparse: Spar
         lo, hi = (mid, hi) if fits(mid * BLOCK) else (lo, mid - 1)
     if lo == 0:
         need = plan(config, max_length=BLOCK, batch_size=batch_size, dtype=dtype, sparse=sparse, weights=weights,
-                    budget=budget, chunk_length=chunk_length)
+                    budget=budget, chunk_length=chunk_length, tensor_parallel=tensor_parallel)
         raise MiniCPMError(f"the model does not fit: {need.describe()}; raise --memory_limit, use --quant int4 or "
                            "a smaller batch")
     return lo * BLOCK
 
 
 def check_fits(config: ModelConfig, *, max_length: int, batch_size: int, dtype, sparse: SparseConfig | None,
-               weights: int, budget: int, chunk_length: int) -> None:
+               weights: int, budget: int, chunk_length: int, tensor_parallel: int = 1) -> None:
     """MiniCPMError naming the sizes (and the largest length that fits) unless the plan fits ``budget``."""
     p = plan(config, max_length=max_length, batch_size=batch_size, dtype=dtype, sparse=sparse, weights=weights,
-             budget=budget, chunk_length=chunk_length)
+             budget=budget, chunk_length=chunk_length, tensor_parallel=tensor_parallel)
     if p.fits:
         return
     try:
         best = auto_max_length(config, batch_size=batch_size, dtype=dtype, sparse=sparse, weights=weights,
-                               budget=budget, chunk_length=chunk_length)
+                               budget=budget, chunk_length=chunk_length, tensor_parallel=tensor_parallel)
         hint = f"lower --max_length (at most {best} fits; --max_length auto picks it)"
     except MiniCPMError:
         hint = "the weights alone do not fit"

@@ -20,6 +20,7 @@ from minicpm_jax.engine.sampling import sample
 from minicpm_jax.engine.stops import DecodeState, apply_stops
 from minicpm_jax.model.cache import KVCache
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
+from minicpm_jax.model.parallel import REPLICATED, spmd
 
 
 @dataclasses.dataclass
@@ -130,12 +131,15 @@ class PlainSteps:
         self.model = model
         self.graphdef, self.state = nnx.split(model)
         self.tokens_per_block = decode_block
+        # A model split over a mesh runs each program as one SPMD program (parameters and cache by their
+        # specs, everything else replicated); the first token needs no model: a plain replicated jit.
+        mesh, s, c, r = model.mesh, model.param_specs(self.state), model.cache_specs(), REPLICATED
+        prefill = spmd(mesh, functools.partial(prefill_chunk, self.graphdef), (s, c, r, r, r), (c, r))
+        decode = spmd(mesh, functools.partial(decode_steps, self.graphdef, num_steps=decode_block), (s, c, r), (c, r, r))
         self.compiled = Compiled({
-            "prefill": jax.jit(functools.partial(prefill_chunk, self.graphdef), donate_argnums=1,
-                               static_argnames="mode"),
+            "prefill": jax.jit(prefill, donate_argnums=1, static_argnames="mode"),
             "first": jax.jit(functools.partial(first_token, max_length=model.max_length), static_argnames="sampling"),
-            "decode": jax.jit(functools.partial(decode_steps, self.graphdef, num_steps=decode_block), donate_argnums=1,
-                              static_argnames=("mode", "sampling")),
+            "decode": jax.jit(decode, donate_argnums=1, static_argnames=("mode", "sampling")),
         })
 
     @property

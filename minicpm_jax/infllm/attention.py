@@ -42,7 +42,8 @@ def tree_sparse_attention(
     """InfLLM-v2 attention of speculative-tree tokens, equal for every node to plain sparse decoding of its
     ancestor path (:func:`sparse_attention` at position ``prefix + depth`` after the path was committed).
 
-    q ``[B, T, H, D]`` (post-RoPE; ``q_select`` pre-RoPE with ``use_nope``), tree_k / tree_v ``[B, T, KVH,
+    q ``[B, T, H, D]`` (post-RoPE; ``q_select`` pre-RoPE with ``use_nope``, and under tensor parallelism
+    the queries of the whole GQA group, ``[B, T, H', D]``), tree_k / tree_v ``[B, T, KVH,
     D]`` the tree tokens' keys and values (cache dtype; post-RoPE), tree_mask ``bool[B, T, T]`` (ancestors and
     self), prefix ``int32[B]`` committed tokens (in the cache, with their compressed keys), depths
     ``int32[B, T]``. Depths must stay within :func:`~minicpm_jax.infllm.policy.tree_depth_limit`.
@@ -73,8 +74,9 @@ def tree_sparse_attention(
     path_sum = jnp.einsum("bij,bjkd->bikd", take.astype(jnp.float32), path_k.astype(jnp.float32),
                           precision=lax.Precision.HIGHEST)
     extra_key = ((prefix_sum[:, None] + path_sum) / k2_size).astype(cache.k.dtype)  # as the cache stores it
-    qg = q_select.reshape(b, t, kvh, h // kvh, d)
-    extra = jnp.einsum("btkgd,btkd->btkg", qg, extra_key, preferred_element_type=jnp.float32).reshape(b, t, h) * scale
+    hs = q_select.shape[2]  # the selection queries may be a whole GQA group wider than q (tensor parallelism)
+    qg = q_select.reshape(b, t, kvh, hs // kvh, d)
+    extra = jnp.einsum("btkgd,btkd->btkg", qg, extra_key, preferred_element_type=jnp.float32).reshape(b, t, hs) * scale
     extra = jnp.where((positions + 1 >= end[:, None])[..., None], extra, -jnp.inf)
 
     # The cache's slot for that window is stale (the path is not committed): stage 1 runs at a position that

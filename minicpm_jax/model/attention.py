@@ -20,6 +20,7 @@ from minicpm_jax.infllm.attention import sparse_attention, tree_sparse_attention
 from minicpm_jax.infllm.compressed import extend_compressed
 from minicpm_jax.model.cache import KVCache
 from minicpm_jax.model.layers import make_linear
+from minicpm_jax.model.parallel import EMBED, HEADS, QKV, TensorParallel
 from minicpm_jax.model.rope import apply_rope, rope_frequencies, rope_inverse
 from minicpm_jax.quant import QuantSpec
 from pallas_kernels import backend
@@ -53,23 +54,35 @@ def resolve_attention_impl(name: str, head_dim: int) -> str:
 
 
 class Attention(nnx.Module):
-    """``o_proj(attn(rope(q), rope(k), v))`` with q/k/v fused into ``qkv_proj``."""
+    """``o_proj(attn(rope(q), rope(k), v))`` with q/k/v fused into ``qkv_proj``.
+
+    Under tensor parallelism (``tp``) a shard runs its ``tp.q_heads`` query heads and ``tp.kv_heads`` KV
+    heads (its block of ``qkv_proj`` is ``[q | k | v]`` of those) against its heads of the cache, and
+    ``o_proj`` is row-parallel.
+    """
 
     def __init__(
         self, config: ModelConfig, layer: int, *, max_length: int, attention_impl: str, rngs: nnx.Rngs, dtype,
         quant: QuantSpec | None = None, sparse: SparseConfig | None = None, in_features: int | None = None,
+        tp: TensorParallel | None = None,
     ):
         """in_features: width of the input to ``qkv_proj`` (default hidden_size; an EAGLE-3 draft layer
-        reads ``[embedding; hidden]``, twice that). attention_impl: a resolved kernel backend name."""
+        reads ``[embedding; hidden]``, twice that). attention_impl: a resolved kernel backend name.
+        tp: the model's tensor-parallel layout (None: one device)."""
         self.config = config
         self.layer = layer
         self.max_length = max_length
         self.attention_impl = attention_impl
         self.sparse = sparse
-        qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-        linear = dict(impl=attention_impl, rngs=rngs, dtype=dtype)
-        self.qkv_proj = make_linear(in_features or config.hidden_size, qkv_out, quant, **linear)
-        self.o_proj = make_linear(config.num_heads * config.head_dim, config.hidden_size, quant, **linear)
+        self.tp = tp
+        self.q_heads = config.num_heads if tp is None else tp.q_heads  # per shard
+        self.kv_heads = config.num_kv_heads if tp is None else tp.kv_heads
+        shards = 1 if tp is None else tp.size
+        qkv_out = shards * (self.q_heads + 2 * self.kv_heads) * config.head_dim
+        linear = dict(impl=attention_impl, rngs=rngs, dtype=dtype, tp=tp)
+        self.qkv_proj = make_linear(in_features or config.hidden_size, qkv_out, quant, axes=(EMBED, QKV), **linear)
+        self.o_proj = make_linear(config.num_heads * config.head_dim, config.hidden_size, quant, axes=(HEADS, EMBED),
+                                  **linear)
 
     @property
     def kernels(self):
@@ -109,16 +122,21 @@ class Attention(nnx.Module):
         cfg = self.config
         ops = self.kernels
         b, t, _ = x.shape
-        nq, nkv, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+        d = cfg.head_dim
+        nq, nkv = self.q_heads * d, self.kv_heads * d
         qkv = self.qkv_proj(x)
-        q = qkv[..., :nq].reshape(b, t, cfg.num_heads, d)
-        k = qkv[..., nq : nq + nkv].reshape(b, t, cfg.num_kv_heads, d)
-        v = qkv[..., nq + nkv :].reshape(b, t, cfg.num_kv_heads, d)
+        q = qkv[..., :nq].reshape(b, t, self.q_heads, d)
+        k = qkv[..., nq : nq + nkv].reshape(b, t, self.kv_heads, d)
+        v = qkv[..., nq + nkv :].reshape(b, t, self.kv_heads, d)
         inv_freq, rope_scale = self._rope()
         q_nope = q
         q = apply_rope(q, positions, inv_freq, rope_scale)
         k = apply_rope(k, positions, inv_freq, rope_scale)
         sp = self.sparse
+
+        def select():  # InfLLM-v2's selection queries: scores are summed over a KV head's whole group
+            qs = q_nope if sp.use_nope else q
+            return qs if self.tp is None else self.tp.group_queries(qs)
         if tree is not None:
             slots = tree.prefix[:, None] + tree.offset + jnp.arange(t, dtype=jnp.int32)[None, :]
             cache = cache.write(self.layer, k, v, slots, valid, ops.cache_write)
@@ -131,7 +149,7 @@ class Attention(nnx.Module):
                     raise ValueError("sparse tree attention verifies a whole tree at once (no offset or window)")
                 dtype = cache.k.dtype
                 sparse_out = tree_sparse_attention(
-                    q, q_nope if sp.use_nope else q, k.astype(dtype), v.astype(dtype), tree.mask, cache, self.layer,
+                    q, select(), k.astype(dtype), v.astype(dtype), tree.mask, cache, self.layer,
                     tree.prefix, positions - tree.prefix[:, None], sp, scale=d**-0.5, kernels=ops,
                     unrotate=self._unrotate(inv_freq, rope_scale))
                 if mode == "sparse":
@@ -149,8 +167,7 @@ class Attention(nnx.Module):
             cache = extend_compressed(cache, self.layer, positions[:, 0], kv_lengths, sp, max_tokens=t, kernels=ops,
                                       unrotate=self._unrotate(inv_freq, rope_scale))
             sparse_fn = lambda: sparse_attention(  # noqa: E731
-                q, q_nope if sp.use_nope else q, cache, self.layer, positions, kv_lengths, sp, scale=d**-0.5,
-                kernels=ops)
+                q, select(), cache, self.layer, positions, kv_lengths, sp, scale=d**-0.5, kernels=ops)
             if mode == "dense":
                 out = dense()
             elif mode == "sparse":

@@ -47,10 +47,11 @@ class KVCache:
 
     @classmethod
     def create(cls, config: ModelConfig, batch_size: int, max_length: int, dtype=jnp.bfloat16,
-               sparse: SparseConfig | None = None) -> "KVCache":
+               sparse: SparseConfig | None = None, kv_heads: int | None = None) -> "KVCache":
         """Zero-filled buffers for ``batch_size`` sequences of up to ``max_length`` tokens, with the
-        compressed-key buffers of ``sparse`` (InfLLM-v2 settings) when given."""
-        shape = (config.num_layers, batch_size, config.num_kv_heads, max_length, config.head_dim)
+        compressed-key buffers of ``sparse`` (InfLLM-v2 settings) when given. kv_heads: the head axis
+        (default the model's; more when tensor parallelism replicates KV heads)."""
+        shape = (config.num_layers, batch_size, kv_heads or config.num_kv_heads, max_length, config.head_dim)
         compressed = {}
         if sparse is not None:
             for name, n in zip(("k1", "k2"), compressed_sizes(sparse, max_length)):
@@ -62,10 +63,11 @@ class KVCache:
 
     @staticmethod
     def nbytes(config: ModelConfig, batch_size: int, max_length: int, dtype=jnp.bfloat16,
-               sparse: SparseConfig | None = None) -> int:
-        """Bytes the K and V buffers (and the compressed keys of ``sparse``) take."""
+               sparse: SparseConfig | None = None, kv_heads: int | None = None) -> int:
+        """Bytes the K and V buffers (and the compressed keys of ``sparse``) take (with ``kv_heads`` as
+        :meth:`create`)."""
         rows = 2 * max_length + (sum(compressed_sizes(sparse, max_length)) if sparse is not None else 0)
-        per_row = config.num_layers * batch_size * config.num_kv_heads * config.head_dim
+        per_row = config.num_layers * batch_size * (kv_heads or config.num_kv_heads) * config.head_dim
         return rows * per_row * jnp.dtype(dtype).itemsize
 
     def write(self, layer: int, k_new: jax.Array, v_new: jax.Array, positions: jax.Array, valid: jax.Array,

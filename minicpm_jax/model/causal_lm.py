@@ -1,7 +1,9 @@
 """The MiniCPM4 network as a Flax NNX module: (params, cache, tokens) → (logits, hidden, cache).
 
 The same module serves Llama-family checkpoints (neutral scalings). Layers are unrolled (a Python loop)
-rather than scanned so XLA streams every weight matrix straight into its GEMV at decode.
+rather than scanned so XLA streams every weight matrix straight into its GEMV at decode. A model built
+with a ``mesh`` is split over its devices (:mod:`minicpm_jax.model.parallel`); its forward then runs
+inside the SPMD program the engine builds around each step.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+from jax.sharding import Mesh
 
 from minicpm_jax.config import ModelConfig, SparseConfig
 from minicpm_jax.errors import MiniCPMError
@@ -19,6 +22,7 @@ from minicpm_jax.infllm.policy import resolve_sparse
 from minicpm_jax.model.attention import Attention, TreeInputs, resolve_attention_impl
 from minicpm_jax.model.cache import KVCache
 from minicpm_jax.model.layers import MLP, Embed, Linear, RMSNorm
+from minicpm_jax.model.parallel import EMBED, VOCAB, TensorParallel, allocate, cache_specs, mesh_size, state_specs
 from minicpm_jax.quant import QuantSpec
 
 
@@ -26,16 +30,16 @@ class DecoderLayer(nnx.Module):
     """``x += s·attn(norm(x)); x += s·mlp(norm(x))`` with ``s = scale_depth/sqrt(num_layers)``."""
 
     def __init__(self, config: ModelConfig, layer: int, *, max_length: int, attention_impl: str, rngs, dtype,
-                 quant: QuantSpec | None, sparse: SparseConfig | None):
+                 quant: QuantSpec | None, sparse: SparseConfig | None, tp: TensorParallel):
         self.residual_scale = config.residual_scale
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(
             config, layer, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype, quant=quant,
-            sparse=sparse,
+            sparse=sparse, tp=tp,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, rngs=rngs, dtype=dtype, quant=quant,
-                       impl=attention_impl)
+                       impl=attention_impl, tp=tp)
 
     def __call__(self, x, positions, valid, cache: KVCache, kv_lengths, mode: str = "dense", tree=None):
         attn, cache = self.self_attn(self.input_layernorm(x), positions, valid, cache, kv_lengths, mode, tree)
@@ -47,12 +51,13 @@ class DecoderLayer(nnx.Module):
 class MiniCPMModel(nnx.Module):
     """Embedding, decoder layers and final norm (the checkpoint's ``model.`` prefix)."""
 
-    def __init__(self, config: ModelConfig, *, max_length: int, attention_impl: str, rngs, dtype, quant, sparse):
-        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, dtype=dtype)
+    def __init__(self, config: ModelConfig, *, max_length: int, attention_impl: str, rngs, dtype, quant, sparse,
+                 tp: TensorParallel):
+        self.embed_tokens = Embed(tp.vocab_padded, config.hidden_size, rngs=rngs, dtype=dtype, tp=tp)
         self.layers = nnx.List(
             [
                 DecoderLayer(config, i, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype,
-                             quant=quant, sparse=sparse)
+                             quant=quant, sparse=sparse, tp=tp)
                 for i in range(config.num_layers)
             ]
         )
@@ -74,6 +79,9 @@ class MiniCPMForCausalLM(nnx.Module):
       sparse: InfLLM-v2 sparse attention: ``"auto"`` (the checkpoint's ``sparse_config``), ``"on"``,
         ``"off"``/None, or a :class:`~minicpm_jax.config.SparseConfig` (see
         :func:`~minicpm_jax.infllm.policy.resolve_sparse`). Its caches need :meth:`new_cache`.
+      mesh: split the model over this mesh's ``tp`` axis (:mod:`minicpm_jax.model.parallel`; parameters in
+        the stored layout, placed by :func:`~minicpm_jax.model.loading.load_model` or
+        :func:`~minicpm_jax.model.loading.shard_model`), or None for one device.
     """
 
     def __init__(
@@ -86,8 +94,11 @@ class MiniCPMForCausalLM(nnx.Module):
         rngs: nnx.Rngs | None = None,
         quant: QuantSpec | None = None,
         sparse: str | SparseConfig | None = "auto",
+        mesh: Mesh | None = None,
     ):
         attention_impl = resolve_attention_impl(attention_impl, config.head_dim)
+        self.mesh = mesh
+        self.tp = TensorParallel.of(config, mesh_size(mesh), quant)
         sparse = resolve_sparse(config, sparse)
         self.sparse = sparse
         # Sparse attention starts at dense_len tokens; a cache shorter than that never gets there, so such
@@ -99,14 +110,27 @@ class MiniCPMForCausalLM(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.quant = quant
         self.model = MiniCPMModel(config, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype,
-                                  quant=quant, sparse=sparse if self.sparse_active else None)
+                                  quant=quant, sparse=sparse if self.sparse_active else None, tp=self.tp)
         if not config.tied_head:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, rngs=rngs, dtype=dtype)
+            self.lm_head = Linear(config.hidden_size, self.tp.vocab_padded, rngs=rngs, dtype=dtype, axes=(EMBED, VOCAB),
+                                  tp=self.tp)
 
     def new_cache(self, batch_size: int, max_length: int | None = None) -> KVCache:
-        """An empty :class:`KVCache` for this model (its dtype; compressed keys when sparse)."""
+        """An empty :class:`KVCache` for this model (its dtype; compressed keys when sparse; split over the
+        mesh by KV heads, ``tp.stored_kv_heads`` of them)."""
         sparse = self.sparse if self.sparse_active else None
-        return KVCache.create(self.config, batch_size, max_length or self.max_length, self.dtype, sparse)
+        return allocate(self.mesh, lambda: KVCache.create(self.config, batch_size, max_length or self.max_length,
+                                                          self.dtype, sparse, kv_heads=self.tp.stored_kv_heads),
+                        cache_specs)
+
+    def param_specs(self, state: nnx.State) -> nnx.State:
+        """The PartitionSpecs of this model's ``nnx.split`` state over its mesh (all replicated at size 1)."""
+        return state_specs(state, self.tp)
+
+    def cache_specs(self) -> KVCache:
+        """The PartitionSpecs of this model's caches (a :class:`KVCache` of specs)."""
+        sparse = self.sparse if self.sparse_active else None
+        return cache_specs(jax.eval_shape(lambda: KVCache.create(self.config, 1, 16, self.dtype, sparse)))
 
     def forward(
         self, tokens: jax.Array, cache: KVCache, num_valid: jax.Array | None = None, mode: str = "auto",
@@ -197,21 +221,26 @@ class MiniCPMForCausalLM(nnx.Module):
 
     def head_rows(self, ids: jax.Array | None = None) -> jax.Array:
         """The lm_head as ``[V, hidden]`` rows (the embedding when tied), or only the rows ``ids int32[V']``
-        (an FR-Spec draft head)."""
+        (an FR-Spec draft head). Called outside a step: on a split model it reads the global arrays."""
+        v = self.config.vocab_size
         w = self.model.embed_tokens.embedding[...] if self.config.tied_head else None
         if ids is None:
-            return w if w is not None else self.lm_head.kernel[...].T
+            return w[:v] if w is not None else self.lm_head.kernel[...][:, :v].T
         return w[ids] if w is not None else self.lm_head.kernel[...][:, ids].T
 
     def logits(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
         """``hidden [..., hidden_size]`` (final-normed) → fp32 logits ``[..., vocab]``: ``lm_head(hidden /
         (hidden_size/dim_model_base))``. ``head``: other lm_head rows ``[V', hidden]`` (:meth:`head_rows`),
-        giving ``[..., V']``."""
+        giving ``[..., V']``. A vocab-parallel head's logits are gathered from every shard."""
         h = hidden * jnp.asarray(self.config.logit_scale, hidden.dtype)
-        if head is not None or self.config.tied_head:
-            w = self.model.embed_tokens.embedding[...] if head is None else head
-            return jnp.einsum("...h,vh->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
-        return jnp.dot(h, self.lm_head.kernel[...].astype(h.dtype), preferred_element_type=jnp.float32)
+        if head is not None:
+            return jnp.einsum("...h,vh->...v", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+        if self.config.tied_head:
+            w = self.model.embed_tokens.embedding[...]
+            local = jnp.einsum("...h,vh->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+        else:
+            local = jnp.dot(h, self.lm_head.kernel[...].astype(h.dtype), preferred_element_type=jnp.float32)
+        return self.tp.gather_vocab(local)
 
     def __call__(
         self, tokens: jax.Array, cache: KVCache, num_valid: jax.Array | None = None, mode: str = "auto",

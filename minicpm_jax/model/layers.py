@@ -2,6 +2,8 @@
 
 Parameter names mirror the checkpoint names (``embed_tokens``, ``mlp.gate_up_proj`` ...) so the weight
 loaders are maps. Linear kernels are stored ``[in, out]``; q/k/v and gate/up are fused along ``out``.
+Every parameter carries its logical axes (``axes`` metadata, :mod:`minicpm_jax.model.parallel`); under
+tensor parallelism a layer sees its shard's blocks and the row-parallel linears sum the shards' results.
 """
 
 from __future__ import annotations
@@ -10,27 +12,46 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from minicpm_jax.model.parallel import EMBED, GATE_UP, MLP as MLP_AXIS, SHARDED, VOCAB, TensorParallel
 from minicpm_jax.quant import QuantSpec, scale_dtype
 from pallas_kernels import backend
+
+Axes = tuple  # logical axis names of a parameter (``minicpm_jax.model.parallel``), None = replicated
+SINGLE = None  # a layer outside tensor parallelism (``tp=None``): size 1
 
 INIT_STD = 0.02  # random-weight initialisation (tests, benchmarks); real weights come from a checkpoint
 
 
-def _normal(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype) -> nnx.Param:
+def _normal(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, axes: Axes) -> nnx.Param:
     """N(0, INIT_STD²) weights, or zeros when ``rngs`` is None (a model about to be loaded)."""
     if rngs is None:
-        return nnx.Param(jnp.zeros(shape, dtype))
-    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * INIT_STD).astype(dtype))
+        return nnx.Param(jnp.zeros(shape, dtype), axes=axes)
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * INIT_STD).astype(dtype), axes=axes)
+
+
+def _row_parallel(axes: Axes, tp: TensorParallel | None) -> bool:
+    """Whether a linear's input axis is split over several devices (its outputs are partial sums)."""
+    return tp is not None and tp.size > 1 and axes[0] in SHARDED
 
 
 class Linear(nnx.Module):
-    """``y = x @ kernel`` with ``kernel [in_features, out_features]``, no bias; output in x.dtype."""
+    """``y = x @ kernel`` with ``kernel [in_features, out_features]``, no bias; output in x.dtype.
 
-    def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs | None, dtype=jnp.float32):
-        self.kernel = _normal(rngs, (in_features, out_features), dtype)
+    axes: the kernel's logical axes; tp: the model's :class:`TensorParallel` (None: not split). A
+    row-parallel linear all-reduces its fp32 partial products.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs | None, dtype=jnp.float32,
+                 axes: Axes = (EMBED, EMBED), tp: TensorParallel | None = SINGLE):
+        self.kernel = _normal(rngs, (in_features, out_features), dtype, axes)
+        self.tp = tp
+        self.reduce = _row_parallel(axes, tp)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.dot(x, self.kernel[...].astype(x.dtype))
+        if not self.reduce:
+            return jnp.dot(x, self.kernel[...].astype(x.dtype))
+        y = jnp.dot(x, self.kernel[...].astype(x.dtype), preferred_element_type=jnp.float32)
+        return self.tp.all_reduce(y).astype(x.dtype)
 
 
 class Int4Linear(nnx.Module):
@@ -38,53 +59,72 @@ class Int4Linear(nnx.Module):
 
     Parameters: ``qweight int32 [K/8, N]``, ``scales [G, N]`` (:func:`~minicpm_jax.quant.scale_dtype`),
     ``zeros [G, N]`` when asymmetric, ``perm int32 [K]`` with act-order.
-    impl: the kernel backend (``pallas_kernels.backend``) whose ``int4_matmul`` runs it.
+    impl: the kernel backend (``pallas_kernels.backend``) whose ``int4_matmul`` runs it. axes, tp: as
+    :class:`Linear`. Row-parallel shards hold whole scale groups of K (per-channel scales are
+    replicated); with act-order they gather the whole input first, since their rows read it anywhere.
     """
 
     def __init__(self, in_features: int, out_features: int, spec: QuantSpec, *, impl: str,
-                 rngs: nnx.Rngs | None, dtype=jnp.float32):
+                 rngs: nnx.Rngs | None, dtype=jnp.float32, axes: Axes = (EMBED, EMBED),
+                 tp: TensorParallel | None = SINGLE):
         self.in_features, self.out_features = in_features, out_features
         self.group_size = spec.rows_per_group(in_features)
         self.impl = impl
+        self.tp = tp
+        self.reduce = _row_parallel(axes, tp)
         groups = in_features // self.group_size
         shape = (in_features // 8, out_features)
+        group_axes = (axes[0] if groups > 1 else None, axes[1])  # one group: every shard needs its scales
         sdt = scale_dtype(dtype)
         if rngs is None:
-            self.qweight = nnx.Param(jnp.zeros(shape, jnp.int32))
-            self.scales = nnx.Param(jnp.zeros((groups, out_features), sdt))
+            self.qweight = nnx.Param(jnp.zeros(shape, jnp.int32), axes=axes)
+            self.scales = nnx.Param(jnp.zeros((groups, out_features), sdt), axes=group_axes)
         else:  # uniform random codes; std(q − 8) ≈ 4.6, so the weights have std ≈ INIT_STD
-            self.qweight = nnx.Param(jax.random.bits(rngs.params(), shape, jnp.uint32).view(jnp.int32))
-            self.scales = nnx.Param(jnp.full((groups, out_features), INIT_STD / 4.6, sdt))
+            self.qweight = nnx.Param(jax.random.bits(rngs.params(), shape, jnp.uint32).view(jnp.int32), axes=axes)
+            self.scales = nnx.Param(jnp.full((groups, out_features), INIT_STD / 4.6, sdt), axes=group_axes)
         if not spec.sym:
-            self.zeros = nnx.Param(jnp.full((groups, out_features), 8, sdt))
+            self.zeros = nnx.Param(jnp.full((groups, out_features), 8, sdt), axes=group_axes)
         if spec.act_order:
-            self.perm = nnx.Param(jnp.arange(in_features, dtype=jnp.int32))
+            self.perm = nnx.Param(jnp.arange(in_features, dtype=jnp.int32), axes=axes[:1])
 
     def __call__(self, x: jax.Array) -> jax.Array:
         zeros = self.zeros[...] if hasattr(self, "zeros") else None
         perm = self.perm[...] if hasattr(self, "perm") else None
-        return backend.get(self.impl).int4_matmul(x, self.qweight[...], self.scales[...], zeros, perm,
-                                                  group_size=self.group_size)
+        group_size = min(self.group_size, x.shape[-1])  # per-channel scales over a shard's rows
+        if not self.reduce:
+            return backend.get(self.impl).int4_matmul(x, self.qweight[...], self.scales[...], zeros, perm,
+                                                      group_size=group_size)
+        if perm is not None:  # this shard's rows (in stored order) read input channels perm[rows]
+            x = jnp.take(self.tp.all_gather(x, -1), perm, axis=-1)
+        y = backend.get(self.impl).int4_matmul(x, self.qweight[...], self.scales[...], zeros, None,
+                                               group_size=group_size, out_dtype=jnp.float32)
+        return self.tp.all_reduce(y).astype(x.dtype)
 
 
 def make_linear(in_features: int, out_features: int, quant: QuantSpec | None, *, impl: str,
-                rngs: nnx.Rngs | None, dtype) -> Linear | Int4Linear:
+                rngs: nnx.Rngs | None, dtype, axes: Axes = (EMBED, EMBED),
+                tp: TensorParallel | None = SINGLE) -> Linear | Int4Linear:
     """A dense :class:`Linear`, or an :class:`Int4Linear` when the model is quantized (``impl``: the kernel
-    backend of its matmul)."""
+    backend of its matmul; ``axes``, ``tp``: its logical axes and the model's tensor-parallel layout)."""
     if quant is None:
-        return Linear(in_features, out_features, rngs=rngs, dtype=dtype)
-    return Int4Linear(in_features, out_features, quant, impl=impl, rngs=rngs, dtype=dtype)
+        return Linear(in_features, out_features, rngs=rngs, dtype=dtype, axes=axes, tp=tp)
+    return Int4Linear(in_features, out_features, quant, impl=impl, rngs=rngs, dtype=dtype, axes=axes, tp=tp)
 
 
 class Embed(nnx.Module):
-    """Token embedding table ``embedding [vocab, hidden]``."""
+    """Token embedding table ``embedding [vocab, hidden]`` (vocab-parallel: each shard holds
+    ``vocab_padded / size`` rows, see :meth:`TensorParallel.lookup`)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.embedding = _normal(rngs, (vocab_size, hidden_size), dtype)
+    def __init__(self, vocab_size: int, hidden_size: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 tp: TensorParallel | None = SINGLE):
+        self.embedding = _normal(rngs, (vocab_size, hidden_size), dtype, (VOCAB, EMBED))
+        self.tp = tp
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """``ids int32[...]`` → ``[..., hidden]`` in the table's dtype."""
-        return jnp.take(self.embedding[...], ids, axis=0)
+        if self.tp is None:
+            return jnp.take(self.embedding[...], ids, axis=0)
+        return self.tp.lookup(self.embedding[...], ids)
 
 
 class RMSNorm(nnx.Module):
@@ -92,7 +132,7 @@ class RMSNorm(nnx.Module):
     cast to the input dtype, then multiply by the weight)."""
 
     def __init__(self, hidden_size: int, eps: float, *, dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((hidden_size,), dtype))
+        self.weight = nnx.Param(jnp.ones((hidden_size,), dtype), axes=(EMBED,))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -102,13 +142,15 @@ class RMSNorm(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into ``gate_up_proj``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into ``gate_up_proj`` (under tensor
+    parallelism each shard's block is ``[gate | up]`` of its channels, and ``down_proj`` is row-parallel)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 quant: QuantSpec | None = None, impl: str = "xla"):
+                 quant: QuantSpec | None = None, impl: str = "xla", tp: TensorParallel | None = SINGLE):
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = make_linear(hidden_size, 2 * intermediate_size, quant, impl=impl, rngs=rngs, dtype=dtype)
-        self.down_proj = make_linear(intermediate_size, hidden_size, quant, impl=impl, rngs=rngs, dtype=dtype)
+        linear = dict(impl=impl, rngs=rngs, dtype=dtype, tp=tp)
+        self.gate_up_proj = make_linear(hidden_size, 2 * intermediate_size, quant, axes=(EMBED, GATE_UP), **linear)
+        self.down_proj = make_linear(intermediate_size, hidden_size, quant, axes=(MLP_AXIS, EMBED), **linear)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from minicpm_jax.config import DraftSpec, ModelConfig, SparseConfig, read_config_json
 from minicpm_jax.errors import MiniCPMError
@@ -29,6 +30,7 @@ from minicpm_jax.io.params import checkpoint_problems, read_params, report
 from minicpm_jax.io.safetensors import ArrayReader, safetensors_files
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
 from minicpm_jax.model.draft import EagleDraft
+from minicpm_jax.model.parallel import AXIS, from_layout, param_axes, partition_spec, place, to_layout
 from minicpm_jax.quant import QUANT_CHOICES, QuantSpec
 from minicpm_jax.rope_config import MINICPM4_YARN_FACTORS
 
@@ -44,14 +46,22 @@ def param_shapes(model: nnx.Module) -> dict[ParamPath, jax.ShapeDtypeStruct]:
     return {p: jax.ShapeDtypeStruct(v.shape, v.dtype) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-def fill_model(model: nnx.Module, params: Iterator[tuple[ParamPath, jax.Array]]) -> nnx.Module:
+def fill_model(model: nnx.Module, params: Iterator[tuple[ParamPath, jax.Array]], *, canonical: bool = True) -> nnx.Module:
     """Replaces the parameters (and variables) of an (abstract) model by the given arrays; every one must
-    be given, with its shape."""
+    be given, with its shape. A model split over a mesh takes each array in the checkpoint's order
+    (``canonical``; else already in its stored layout) and places it by its logical axes, one at a time."""
     graphdef, state = nnx.split(model)
     flat = dict(nnx.to_flat_state(state))
+    mesh = getattr(model, "mesh", None)
     seen = set()
     for path, value in params:
         var = flat[path]
+        if mesh is not None:
+            axes = param_axes(var)
+            if canonical:
+                value = to_layout(model.tp, axes, value)
+            if tuple(value.shape) == tuple(var.shape):
+                value = place(value, NamedSharding(mesh, partition_spec(model.tp, axes)))
         if tuple(value.shape) != tuple(var.shape):
             raise MiniCPMError(f"parameter {'.'.join(map(str, path))} has shape {value.shape}, expected {var.shape}")
         var.set_value(value) if hasattr(var, "set_value") else setattr(var, "value", value)
@@ -88,7 +98,7 @@ def check_max_length(config: ModelConfig, max_length: int) -> None:
 def load_model(
     path: str | os.PathLike, *, dtype=jnp.bfloat16, max_length: int = 4096, attention_impl: str = "auto",
     quant: str = "auto", group_size: int = 128, sparse: str | SparseConfig | None = "auto",
-    sparse_overrides: dict | None = None, minicpm4_yarn: bool = False,
+    sparse_overrides: dict | None = None, minicpm4_yarn: bool = False, mesh: Mesh | None = None,
 ) -> MiniCPMForCausalLM:
     """Loads a Hugging Face checkpoint directory (``config.json`` + safetensors; dense, GPTQ or
     marlin-cpmcu) or a native one.
@@ -102,6 +112,8 @@ def load_model(
     sparse, sparse_overrides: InfLLM-v2 mode (``auto``/``on``/``off`` or a SparseConfig) and field
       overrides (``topk``, ``window_size``, ``dense_len``), see :func:`minicpm_jax.infllm.policy.resolve_sparse`.
     minicpm4_yarn: replace the rope factors by MiniCPM4's validated 128K LongRoPE list (CPM.cu's switch).
+    mesh: split the model over this mesh (tensor parallelism, ``minicpm_jax.model.parallel.make_mesh``):
+      each parameter goes straight to its devices as it is read.
     """
     path = os.fspath(path)
     if quant not in QUANT_CHOICES:
@@ -109,7 +121,7 @@ def load_model(
     config = target_config(path, minicpm4_yarn=minicpm4_yarn)
     check_max_length(config, max_length)
     sparse = resolve_sparse(config, sparse, **(sparse_overrides or {}))
-    kwargs = dict(max_length=max_length, attention_impl=attention_impl, dtype=dtype, sparse=sparse)
+    kwargs = dict(max_length=max_length, attention_impl=attention_impl, dtype=dtype, sparse=sparse, mesh=mesh)
     if is_native(path):
         model = abstract_model(config, quant=native_quant(path), **kwargs)
         model = fill_model(model, read_native(path, param_shapes(model)))
@@ -127,9 +139,10 @@ def load_model(
 
 
 def weight_bytes(path: str | os.PathLike, *, dtype, quant: str = "auto", group_size: int = 128,
-                 minicpm4_yarn: bool = False) -> int:
-    """Device bytes of the parameters :func:`load_model` with these arguments holds, from the shapes alone
-    (no tensor is read): what ``--max_length auto`` subtracts before sizing the cache."""
+                 minicpm4_yarn: bool = False, tensor_parallel: int = 1) -> int:
+    """Bytes of the parameters :func:`load_model` with these arguments holds on each device, from the
+    shapes alone (no tensor is read): what ``--max_length auto`` subtracts before sizing the cache.
+    tensor_parallel: the devices the model is split over (split parameters count their share)."""
     path = os.fspath(path)
     config = target_config(path, minicpm4_yarn=minicpm4_yarn)
     if is_native(path):
@@ -143,13 +156,31 @@ def weight_bytes(path: str | os.PathLike, *, dtype, quant: str = "auto", group_s
         spec = None
     elif quant == "int4" and spec is None:
         spec = QuantSpec(group_size=group_size)
-    model = abstract_model(config, quant=spec, max_length=2, attention_impl="xla", dtype=dtype, sparse=None)
-    return sum(int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize for v in jax.tree.leaves(nnx.state(model)))
+    mesh = AbstractMesh((tensor_parallel,), (AXIS,)) if tensor_parallel > 1 else None
+    model = abstract_model(config, quant=spec, max_length=2, attention_impl="xla", dtype=dtype, sparse=None, mesh=mesh)
+    total = 0
+    for _, var in nnx.to_flat_state(nnx.state(model)):
+        split = any(partition_spec(model.tp, param_axes(var)))
+        total += int(np.prod(var.shape)) * jnp.dtype(var.dtype).itemsize // (tensor_parallel if split else 1)
+    return total
+
+
+def shard_model(model: MiniCPMForCausalLM, mesh: Mesh) -> MiniCPMForCausalLM:
+    """``model`` (loaded on one device) split over ``mesh`` (tensor parallelism): the same weights in the
+    stored layout of :mod:`minicpm_jax.model.parallel`, placed on the mesh's devices. :func:`load_model`
+    with ``mesh=`` does this as it reads, without the single-device copy."""
+    if model.mesh is not None:
+        raise MiniCPMError("the model is already split over a mesh")
+    target = abstract_model(model.config, max_length=model.max_length, attention_impl=model.attention_impl,
+                            dtype=model.dtype, quant=model.quant, sparse=model.sparse, mesh=mesh)
+    return fill_model(target, ((p, v[...]) for p, v in nnx.to_flat_state(nnx.state(model))))
 
 
 def save_native(model: MiniCPMForCausalLM, dst: str) -> None:
-    """Writes ``model``'s parameters and config as a native checkpoint in the existing directory ``dst``."""
-    params = {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    """Writes ``model``'s parameters and config as a native checkpoint in the existing directory ``dst`` (a
+    split model's in the checkpoint's order, as one device holds them)."""
+    params = {p: from_layout(model.tp, param_axes(v), v[...]) if model.mesh is not None else v[...]
+              for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     write_native(params, model.config.to_hf_dict(), model.dtype, model.quant, dst)
 
 
@@ -177,9 +208,9 @@ def convert_model(model: MiniCPMForCausalLM, quant: QuantSpec | None) -> MiniCPM
     if quant is not None:
         quant = dataclasses.replace(quant, act_order=False)
     target = abstract_model(model.config, max_length=model.max_length, attention_impl=model.attention_impl,
-                            dtype=model.dtype, quant=quant, sparse=model.sparse)
+                            dtype=model.dtype, quant=quant, sparse=model.sparse, mesh=model.mesh)
 
-    def params():
+    def params():  # in the stored layout: dequantizing and rounding commute with its column order
         linears = dict(decoder_linears(model))
         for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
             if path[:5] not in linears:
@@ -191,7 +222,7 @@ def convert_model(model: MiniCPMForCausalLM, quant: QuantSpec | None) -> MiniCPM
                 for key, value in rtn_arrays(np.asarray(linear.kernel[...], np.float32), quant, model.dtype).items():
                     yield path + (key,), jnp.asarray(value)
 
-    return fill_model(target, params())
+    return fill_model(target, params(), canonical=False)
 
 
 # ------------------------------------------------------------------------------------------------ drafts

@@ -30,6 +30,7 @@ from minicpm_jax.infllm.policy import tree_depth_limit
 from minicpm_jax.model.cache import KVCache
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
 from minicpm_jax.model.draft import EagleDraft
+from minicpm_jax.model.parallel import REPLICATED, replicate, spmd
 
 
 class EagleSteps:
@@ -45,7 +46,8 @@ class EagleSteps:
         the target's tokens).
     Sparse (InfLLM-v2) targets verify each tree node as plain sparse decoding of its path would, and extend
     the compressed keys by the accepted tokens (trees at most
-    :func:`~minicpm_jax.infllm.policy.tree_depth_limit` deep).
+    :func:`~minicpm_jax.infllm.policy.tree_depth_limit` deep). With a target split over a mesh the draft,
+    its cache and the FR-Spec head are replicated on every device.
     """
 
     # The draft needs the target feature of the last reused position, which the tail prefill recomputes.
@@ -71,27 +73,32 @@ class EagleSteps:
                 f"spec_num_iter {spec.num_iter} is deeper than sparse attention verifies exactly with this sparse_config "
                 f"(at most {tree_depth_limit(model.sparse)}: shorter than the coarse stride, inside the local window)")
         self.model, self.draft = model, draft
+        mesh = model.mesh
         self.graphdef, self.state = nnx.split(model)
         self.dgraph, self.dstate = nnx.split(draft)
-        self.ids = None if frspec_ids is None else jnp.asarray(frspec_ids, jnp.int32)
-        self.head = None if frspec_ids is None else model.head_rows(self.ids)
+        if mesh is not None:  # the draft module then holds the replicated arrays (no second copy)
+            self.dstate = replicate(mesh, self.dstate)
+            nnx.update(draft, self.dstate)
+        self.ids = None if frspec_ids is None else replicate(mesh, jnp.asarray(frspec_ids, jnp.int32))
+        self.head = None if frspec_ids is None else replicate(mesh, model.head_rows(self.ids))
         self.batch_size = batch_size
         self.tokens_per_block = decode_block * spec.max_accept
         self.dcache = draft.new_cache(batch_size, model.max_length + spec.draft_slots + spec.max_accept)
         self.last_feat = jnp.zeros((batch_size, draft.spec.feature_size), model.dtype)
         self.rounds: SpecState | None = None  # the state carried between decode blocks
         g, dg = self.graphdef, self.dgraph
+        s, c, r = model.param_specs(self.state), model.cache_specs(), REPLICATED
+        # prefill(state, dstate, cache, dcache, tokens, next_tokens, num_valid, next_valid, logits, last_feat)
+        prefill = spmd(mesh, functools.partial(spec_prefill_chunk, g, dgraph=dg),
+                       (s, r, c, r, r, r, r, r, r, r), (c, r, r, r))
+        # decode(state, dstate, head, ids, cache, ds, st)
+        decode = spmd(mesh, functools.partial(spec_block, g, dgraph=dg, rounds=decode_block, spec=self.spec,
+                                              accept=accept),
+                      (s, r, r, r, c, r, r), (c, r, r, r))
         self.compiled = Compiled({
-            "prefill": jax.jit(
-                lambda state, dstate, cache, dcache, *rest, mode: spec_prefill_chunk(g, state, dg, dstate, cache, dcache,
-                                                                                     *rest, mode=mode),
-                donate_argnums=(2, 3), static_argnames="mode"),
+            "prefill": jax.jit(prefill, donate_argnums=(2, 3), static_argnames="mode"),
             "first": jax.jit(functools.partial(first_token, max_length=model.max_length), static_argnames="sampling"),
-            "decode": jax.jit(
-                lambda state, dstate, head, ids, cache, ds, st, sampling, mode: spec_block(
-                    g, state, dg, dstate, head, ids, cache, ds, st, rounds=decode_block, spec=self.spec, accept=accept,
-                    sampling=sampling, mode=mode),
-                donate_argnums=(4, 6), static_argnames=("sampling", "mode")),
+            "decode": jax.jit(decode, donate_argnums=(4, 6), static_argnames=("sampling", "mode")),
         })
 
     @property

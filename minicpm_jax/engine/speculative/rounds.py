@@ -296,9 +296,10 @@ def run_round(model, draft, head, ids, cache: KVCache, ds: DecodeState, st: Spec
     return cache, ds, st, jnp.where(keep, emitted, -1)
 
 
-def spec_block(graphdef, state, dgraph, dstate, head, ids, cache, ds, st, *, rounds: int, spec: SpecConfig,
+def spec_block(graphdef, state, dstate, head, ids, cache, ds, st, *, dgraph, rounds: int, spec: SpecConfig,
                accept: AcceptRule = match_target, sampling: str = "auto", mode: str = "auto"):
-    """Up to ``rounds`` rounds on device; returns (cache, ds, st, tokens ``int32[B, rounds·A]``, -1 = none)."""
+    """Up to ``rounds`` rounds on device; returns (cache, ds, st, tokens ``int32[B, rounds·A]``, -1 = none).
+    graphdef / dgraph: the target's and the draft's static graphs; state / dstate their arrays."""
     model, draft = nnx.merge(graphdef, state), nnx.merge(dgraph, dstate)
     a = spec.max_accept
     out = jnp.full((ds.tok.shape[0], rounds * a), -1, jnp.int32)
@@ -318,8 +319,8 @@ def spec_block(graphdef, state, dgraph, dstate, head, ids, cache, ds, st, *, rou
     return cache, ds, st, out
 
 
-def spec_prefill_chunk(graphdef, state, dgraph, dstate, cache, dcache, tokens, next_tokens, num_valid, draft_valid,
-                        last_logits, last_feat, mode: str = "dense"):
+def spec_prefill_chunk(graphdef, state, dstate, cache, dcache, tokens, next_tokens, num_valid, draft_valid,
+                        last_logits, last_feat, *, dgraph, mode: str = "dense"):
     """A prompt chunk through the target, then its (feature, next token) pairs through the draft.
 
     Keeps each row's last-token logits and final feature (the feature of the pair the root completes)."""

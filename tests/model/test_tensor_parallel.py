@@ -1,0 +1,248 @@
+"""Tensor parallelism over JAX SPMD, on the eight CPU devices of tests/conftest.py.
+
+The stored layout against a NumPy re-derivation; sizes that do not split a model; a model split over 2, 4
+and 8 devices against the same weights on one device — fp32 logits of a batch prefill and greedy tokens,
+batch 1 and 4 — dense, int4 (round-to-nearest and act-order), InfLLM-v2 sparse (a KV head's query group
+spread over devices at 4 and 8) and EAGLE speculative; the collectives of one compiled decode step;
+memory sizing and saving of a split model.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from minicpm_jax.config import DraftSpec, ModelConfig
+from minicpm_jax.engine import memory
+from minicpm_jax.engine.engine import Engine
+from minicpm_jax.engine.speculative.engine import SpeculativeEngine
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.model.cache import KVCache
+from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
+from minicpm_jax.model.draft import EagleDraft
+from minicpm_jax.model.layers import Int4Linear
+from minicpm_jax.model.loading import convert_model, load_model, save_native, shard_model, weight_bytes
+from minicpm_jax.model.parallel import QKV, GATE_UP, VOCAB, TensorParallel, from_layout, make_mesh, to_layout
+from minicpm_jax.quant import QuantSpec
+from tests.helpers import SMALL, random_hf_weights, tiny_minicpm_config, write_checkpoint
+
+# 8 query heads over 2 KV heads, head_dim 16, 128 MLP channels (whole int4 groups of 16 on 8 devices) and a
+# vocabulary of 97 (padded to 98, 100, 104).
+CFG = tiny_minicpm_config(intermediate_size=128)
+CONFIG = ModelConfig.from_dict(CFG)
+MAX_LEN = 128
+PROMPTS = [list(range(3, 48)), [5, 17, 2, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49] * 4, [7]]
+NEW_TOKENS = 12
+
+
+def test_stored_layout_is_each_shards_heads_and_channels():
+    tp = TensorParallel.of(CONFIG, 4)  # 2 KV heads on 4 devices: each KV head on 2
+    h, kvh, d, i = CONFIG.num_heads, CONFIG.num_kv_heads, CONFIG.head_dim, CONFIG.intermediate_size
+    assert (tp.q_heads, tp.kv_heads, tp.kv_copies, tp.stored_kv_heads, tp.vocab_padded) == (2, 1, 2, 4, 100)
+    qkv = np.arange(3 * (h + 2 * kvh) * d, dtype=np.float32).reshape(3, -1)  # [in, q | k | v]
+    q, k, v = np.split(qkv, [h * d, (h + kvh) * d], axis=1)
+    stored = np.asarray(to_layout(tp, (None, QKV), jnp.asarray(qkv)))
+    blocks = np.split(stored, 4, axis=1)
+    for s, block in enumerate(blocks):
+        heads = q[:, 2 * s * d : (2 * s + 2) * d]
+        kv_head = s // 2  # query heads 2s, 2s+1 belong to KV head (2s) // (h / kvh)
+        want = np.concatenate([heads, k[:, kv_head * d : (kv_head + 1) * d], v[:, kv_head * d : (kv_head + 1) * d]], 1)
+        np.testing.assert_array_equal(block, want)
+    np.testing.assert_array_equal(from_layout(tp, (None, QKV), stored), qkv)
+
+    gate_up = np.arange(2 * 2 * i, dtype=np.float32).reshape(2, -1)
+    stored = np.asarray(to_layout(tp, (None, GATE_UP), jnp.asarray(gate_up)))
+    for s, block in enumerate(np.split(stored, 4, axis=1)):
+        c = slice(s * i // 4, (s + 1) * i // 4)
+        np.testing.assert_array_equal(block, np.concatenate([gate_up[:, :i][:, c], gate_up[:, i:][:, c]], 1))
+    np.testing.assert_array_equal(from_layout(tp, (None, GATE_UP), stored), gate_up)
+
+    table = np.ones((CONFIG.vocab_size, 3), np.float32)
+    stored = np.asarray(to_layout(tp, (VOCAB, None), jnp.asarray(table)))
+    assert stored.shape == (100, 3) and not stored[97:].any()
+    np.testing.assert_array_equal(from_layout(tp, (VOCAB, None), stored), table)
+
+
+def test_sizes_that_do_not_split_the_model_are_refused():
+    demo = ModelConfig.from_dict(dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                      num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3))
+    assert TensorParallel.valid_sizes(demo) == [1, 3]
+    with pytest.raises(MiniCPMError, match="2 does not divide the 9 attention heads.*sizes that work for this model: 1, 3$"):
+        TensorParallel.of(demo, 2)
+    with pytest.raises(MiniCPMError, match="9 does not divide the MLP's 1536 channels"):
+        TensorParallel.of(demo, 9)
+    with pytest.raises(MiniCPMError, match="o_proj's 128 input rows split into 32 per device, not whole int4 scale groups of 64"):
+        TensorParallel.of(CONFIG, 4, QuantSpec(group_size=64))
+    TensorParallel.of(CONFIG, 4, QuantSpec(group_size=-1))  # per-channel scales are replicated
+    with pytest.raises(MiniCPMError, match="over 16 devices, but 8 cpu device"):
+        make_mesh(16)
+
+
+# ------------------------------------------------------------------------------------- one device vs split
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(str(tmp_path_factory.mktemp("tp") / "ckpt"), CFG, random_hf_weights(CFG, seed=3))
+
+
+def _act_order(model: MiniCPMForCausalLM) -> MiniCPMForCausalLM:
+    """An act-order int4 model: random codes, random scales and a random permutation of each linear's rows."""
+    rng = np.random.default_rng(0)
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, Int4Linear):
+            module.perm.set_value(jnp.asarray(rng.permutation(module.in_features), jnp.int32))
+            scales = rng.uniform(0.01, 0.03, module.scales.shape)
+            module.scales.set_value(jnp.asarray(scales, module.scales.dtype))
+    return model
+
+
+def _sharp(model: MiniCPMForCausalLM, draft: EagleDraft):
+    """Target and draft with a strong bigram path (embedding → lm_head) the draft knows, so speculative
+    rounds accept several tokens (as tests/engine/test_speculative.py builds them)."""
+    h = CONFIG.hidden_size
+    model.model.embed_tokens.embedding.set_value(model.model.embed_tokens.embedding[...] * 60.0)
+    model.lm_head.kernel.set_value(model.lm_head.kernel[...] * 60.0)
+    draft.fc.kernel.set_value(jnp.concatenate([jnp.eye(h), jnp.zeros((h, h))], axis=0) * 4.0)
+    for lin in (draft.self_attn.o_proj, draft.mlp.down_proj):
+        lin.kernel.set_value(lin.kernel[...] * 0.05)
+
+
+_MODELS: dict = {}
+
+
+def _one_device(mode: str, ckpt: str):
+    """(model, draft or None) on one device, built once per mode."""
+    if mode not in _MODELS:
+        sparse = SMALL if "sparse" in mode else "off"
+        draft = None
+        if mode == "act_order":
+            model = _act_order(MiniCPMForCausalLM(CONFIG, max_length=MAX_LEN, attention_impl="xla", dtype=jnp.float32,
+                                                  rngs=nnx.Rngs(1), quant=QuantSpec(group_size=16, act_order=True),
+                                                  sparse="off"))
+        else:
+            model = load_model(ckpt, dtype=jnp.float32, max_length=MAX_LEN, attention_impl="xla", sparse=sparse,
+                               quant="int4" if mode == "int4" else "auto", group_size=16)
+        if mode.startswith("speculative"):
+            draft = EagleDraft(DraftSpec.for_target(CONFIG, "minicpm"), max_length=MAX_LEN, attention_impl="xla",
+                               dtype=jnp.float32, rngs=nnx.Rngs(2))
+            _sharp(model, draft)
+        _MODELS[mode] = model, draft
+    return _MODELS[mode]
+
+
+def _engine(model, draft, batch: int):
+    if draft is None:
+        return Engine(model, batch_size=batch, chunk_length=32, decode_block=4)
+    copy = nnx.merge(*nnx.split(draft))  # each engine replicates its own draft
+    return SpeculativeEngine(model, copy, batch_size=batch, chunk_length=32, decode_block=2)
+
+
+def _run(engine, prompts):
+    """(fp32 last-token prefill logits, greedy tokens, speculative accept counts) of ``prompts``."""
+    logits = np.asarray(engine.prefill(prompts))[: len(prompts)]
+    engine.reset()
+    results, stats = engine.generate(prompts, max_new_tokens=NEW_TOKENS)
+    return logits, [r.token_ids for r in results], stats.spec_accepted
+
+
+CASES = [(m, n) for m in ("dense", "int4", "act_order", "sparse", "speculative") for n in (2, 4, 8)]
+CASES.append(("speculative_sparse", 4))  # tree nodes verified sparsely with a split query group
+
+
+_WANT: dict = {}
+
+
+@pytest.mark.parametrize("mode,size", CASES)
+def test_split_model_equals_one_device(mode, size, ckpt):
+    model, draft = _one_device(mode, ckpt)
+    if mode == "dense":  # read straight into the mesh
+        split = load_model(ckpt, dtype=jnp.float32, max_length=MAX_LEN, attention_impl="xla", sparse="off",
+                           mesh=make_mesh(size))
+    else:
+        split = shard_model(model, make_mesh(size))
+    for batch, prompts in ((1, PROMPTS[:1]), (4, PROMPTS)):
+        if (mode, batch) not in _WANT:
+            _WANT[mode, batch] = _run(_engine(model, draft, batch), prompts)
+        want_logits, want_tokens, want_accepted = _WANT[mode, batch]
+        got_logits, got_tokens, got_accepted = _run(_engine(split, draft, batch), prompts)
+        np.testing.assert_allclose(got_logits, want_logits, rtol=2e-5, atol=2e-5)
+        assert got_tokens == want_tokens
+        assert got_accepted == want_accepted
+        if draft is not None:  # the rounds did accept drafted tokens
+            assert sum(k * c for k, c in enumerate(got_accepted)) > sum(got_accepted)
+
+
+def test_split_model_runs_its_kernels_per_shard(ckpt):
+    """The Pallas kernels (interpret mode here) inside the SPMD program, InfLLM-v2's included."""
+    one = load_model(ckpt, dtype=jnp.float32, max_length=MAX_LEN, attention_impl="pallas", sparse=SMALL)
+    split = shard_model(one, make_mesh(4))
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    want_logits, want_tokens, _ = _run(_engine(one, None, 2), prompts)
+    got_logits, got_tokens, _ = _run(_engine(split, None, 2), prompts)
+    np.testing.assert_allclose(got_logits, want_logits, rtol=2e-5, atol=2e-5)
+    assert got_tokens == want_tokens
+
+
+# ------------------------------------------------------------------------------------------ collectives
+def _collectives(model, mode: str) -> collections.Counter:
+    """Collective instructions of the compiled program of one decode step."""
+    engine = Engine(model, batch_size=1, chunk_length=32, decode_block=1)
+    steps = engine.steps
+    program = steps.compiled.jitted["decode"].lower(steps.state, engine.cache, engine.decode_state([], [], []),
+                                                    mode=mode, sampling="auto")
+    hlo = program.compile().as_text()
+    return collections.Counter(re.findall(r"\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
+                                          r"(?:-start)?\(", hlo))
+
+
+def test_one_decode_step_has_the_designed_collectives(ckpt):
+    layers = CONFIG.num_layers
+    dense, _ = _one_device("dense", ckpt)
+    # One all-reduce per row-parallel linear (o_proj, down_proj) and the embedding's, one gather of the logits.
+    assert _collectives(shard_model(dense, make_mesh(2)), "dense") == {"all-reduce": 2 * layers + 1, "all-gather": 1}
+    sparse, _ = _one_device("sparse", ckpt)
+    assert _collectives(shard_model(sparse, make_mesh(2)), "sparse") == {"all-reduce": 2 * layers + 1, "all-gather": 1}
+    # A KV head's query group on 2 devices: its selection queries are gathered once per layer.
+    assert _collectives(shard_model(sparse, make_mesh(4)), "sparse") == {"all-reduce": 2 * layers + 1,
+                                                                         "all-gather": 1 + layers}
+    # Act-order rows read their input anywhere: o_proj and down_proj gather it first.
+    act, _ = _one_device("act_order", ckpt)
+    assert _collectives(shard_model(act, make_mesh(2)), "dense") == {"all-reduce": 2 * layers + 1,
+                                                                     "all-gather": 1 + 2 * layers}
+    # One device through the SPMD program: no collective at all.
+    assert _collectives(shard_model(dense, make_mesh(1)), "dense") == {}
+
+
+# ------------------------------------------------------------------------------------ memory and saving
+def test_memory_plan_counts_each_devices_share(ckpt):
+    sizing = dict(max_length=1024, batch_size=2, dtype=jnp.bfloat16, sparse=None, weights=0, budget=1 << 40,
+                  chunk_length=256)
+    whole = KVCache.nbytes(CONFIG, 2, 1024, jnp.bfloat16)
+    assert memory.plan(CONFIG, **sizing).cache == whole
+    assert memory.plan(CONFIG, tensor_parallel=2, **sizing).cache == whole // 2
+    assert memory.plan(CONFIG, tensor_parallel=8, **sizing).cache == whole // 2  # 2 KV heads, each on 4 devices
+    one = weight_bytes(ckpt, dtype=jnp.float32)
+    two = weight_bytes(ckpt, dtype=jnp.float32, tensor_parallel=2)
+    norms = 4 * CONFIG.hidden_size * (2 * CONFIG.num_layers + 1)  # replicated
+    assert two == (one - norms) // 2 + norms + 4 * CONFIG.hidden_size  # the vocabulary padded to 98 rows: + half a row pair
+
+
+def test_split_model_saves_and_converts_as_one_device(ckpt, tmp_path):
+    one = load_model(ckpt, dtype=jnp.float32, max_length=MAX_LEN, attention_impl="xla", sparse="off")
+    split = shard_model(one, make_mesh(4))
+    save_native(split, str(tmp_path))
+    back = load_model(str(tmp_path), dtype=jnp.float32, max_length=MAX_LEN, attention_impl="xla", sparse="off")
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(one)), nnx.to_flat_state(nnx.state(back))):
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
+    # int4 at load time on a split model: the same codes as converting on one device, in the stored layout.
+    quantized = convert_model(split, QuantSpec(group_size=16))
+    want = convert_model(one, QuantSpec(group_size=16))
+    tp = quantized.tp
+    layer, ref = quantized.model.layers[1].self_attn.qkv_proj, want.model.layers[1].self_attn.qkv_proj
+    np.testing.assert_array_equal(from_layout(tp, (None, QKV), layer.qweight[...]), np.asarray(ref.qweight[...]))
+    assert layer.qweight[...].sharding.spec == jax.sharding.PartitionSpec(None, "tp")
