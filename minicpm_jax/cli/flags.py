@@ -15,7 +15,7 @@ from minicpm_jax.model.attention import ATTENTION_CHOICES
 from pallas_kernels import backend
 
 FLAGS = flags.FLAGS
-_M, _S, _SP = "model", "system", "speculative"
+_M, _S, _SP, _PA = "model", "system", "speculative", "parallel"
 
 flags.DEFINE_string("model_path", None, "HF model directory or native (converted) directory; omitted: the "
                     "SmolLM2 demo model.", module_name=_M)
@@ -65,6 +65,17 @@ flags.DEFINE_integer("frspec_vocab_size", 32768, "FR-Spec: keep this many most f
                      "directory).", module_name=_SP)
 
 
+flags.DEFINE_integer("tensor_parallel", 1, "Split the model over this many devices (tensor parallelism over JAX SPMD: "
+                     "attention heads, MLP channels and vocabulary; the KV cache with its heads). 1 = one device.",
+                     module_name=_PA)
+flags.DEFINE_string("coordinator_address", None, "Several hosts: host:port of process 0, for "
+                    "jax.distributed.initialize (default $JAX_COORDINATOR_ADDRESS, or what JAX detects on SLURM / "
+                    "Open MPI clusters). Every process runs the same command.", module_name=_PA)
+flags.DEFINE_integer("num_processes", None, "Several hosts: how many processes take part (default: detected).",
+                     module_name=_PA)
+flags.DEFINE_integer("process_id", None, "Several hosts: this process's index, 0 .. num_processes - 1 (default: "
+                     "detected).", module_name=_PA)
+
 flags.DEFINE_boolean("compilation_cache", True, "Persistent JAX compilation cache in $MINICPM_JAX_CACHE/jax_cache.",
                      module_name=_S)
 flags.DEFINE_boolean("xla_command_buffers", True, "Let XLA record the decode loop (while/conditional bodies "
@@ -83,9 +94,13 @@ def validate_model_flags() -> None:
     max_length_flag()
     if not 0 < FLAGS.memory_limit <= 1:
         raise MiniCPMError(f"--memory_limit must be in (0, 1], got {FLAGS.memory_limit}")
-    for name in ("chunk_length", "decode_block"):
+    for name in ("chunk_length", "decode_block", "tensor_parallel"):
         if getattr(FLAGS, name) < 1:
             raise MiniCPMError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+    if FLAGS.num_processes is not None and FLAGS.num_processes < 1:
+        raise MiniCPMError(f"--num_processes must be >= 1, got {FLAGS.num_processes}")
+    if FLAGS.process_id is not None and not 0 <= FLAGS.process_id < (FLAGS.num_processes or FLAGS.process_id + 1):
+        raise MiniCPMError(f"--process_id must be in 0 .. --num_processes - 1, got {FLAGS.process_id}")
     if FLAGS.draft_path is not None:
         if not os.path.isdir(FLAGS.draft_path):
             raise MiniCPMError(f"--draft_path {FLAGS.draft_path!r} is not a directory")
@@ -118,16 +133,25 @@ def max_length_flag() -> int | None:
 
 
 def apply_system_flags() -> None:
-    """The system flags: XLA command buffers and the memory fraction (before JAX starts), the compilation
-    cache."""
-    from minicpm_jax.cli.system import enable_command_buffers, enable_compilation_cache
+    """The system flags: XLA command buffers and the memory fraction (before JAX starts), joining the other
+    processes of a multi-host run (``jax.distributed``), the compilation cache."""
+    from minicpm_jax.cli.system import enable_command_buffers, enable_compilation_cache, start_distributed
 
     # JAX preallocates this fraction of a GPU at start; --max_length auto sizes the cache inside it.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{FLAGS.memory_limit:.3f}")
     if FLAGS.xla_command_buffers:
         enable_command_buffers()
+    start_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     if FLAGS.compilation_cache:
         enable_compilation_cache()
+
+
+def mesh_from_flags():
+    """The device mesh ``--tensor_parallel`` asks for (None for one device); MiniCPMError when there are
+    not that many devices."""
+    from minicpm_jax.model.parallel import make_mesh
+
+    return make_mesh(FLAGS.tensor_parallel) if FLAGS.tensor_parallel > 1 else None
 
 
 def weights_description(model) -> str:
@@ -179,12 +203,13 @@ def cache_length_from_flags(model_path: str, dtype, *, batch_size: int) -> int:
         return min(memory.CPU_AUTO_LENGTH, config.context_limit)
     sparse = resolve_sparse(config, FLAGS.sparse, **sparse_overrides_from_flags())
     weights = weight_bytes(model_path, dtype=dtype, quant=FLAGS.quant, group_size=FLAGS.quant_group_size,
-                           minicpm4_yarn=FLAGS.minicpm4_yarn)
+                           minicpm4_yarn=FLAGS.minicpm4_yarn, tensor_parallel=FLAGS.tensor_parallel)
     if FLAGS.draft_path is not None:  # one layer, its cache and head: bounded by twice its files
         weights += 2 * sum(os.path.getsize(os.path.join(FLAGS.draft_path, f)) for f in os.listdir(FLAGS.draft_path)
                            if f.endswith((".safetensors", ".bin")))
     sizing = dict(batch_size=batch_size, dtype=dtype, sparse=sparse, weights=weights,
-                  budget=memory.device_budget(FLAGS.memory_limit), chunk_length=FLAGS.chunk_length)
+                  budget=memory.device_budget(FLAGS.memory_limit), chunk_length=FLAGS.chunk_length,
+                  tensor_parallel=FLAGS.tensor_parallel)
     if wanted is None:
         return memory.auto_max_length(config, **sizing)
     memory.check_fits(config, max_length=wanted, **sizing)
@@ -214,11 +239,12 @@ def load_from_flags(*, progress: bool = True, batch_size: int = 1):
     if dtype == "auto":
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     t0 = time.perf_counter()
+    mesh = mesh_from_flags()
     max_length = cache_length_from_flags(model_path, jnp.dtype(dtype), batch_size=batch_size)
     model = load_model(model_path, dtype=jnp.dtype(dtype), max_length=max_length,
                        attention_impl=FLAGS.attention_impl, quant=FLAGS.quant, group_size=FLAGS.quant_group_size,
                        sparse=FLAGS.sparse, sparse_overrides=sparse_overrides_from_flags(),
-                       minicpm4_yarn=FLAGS.minicpm4_yarn)
+                       minicpm4_yarn=FLAGS.minicpm4_yarn, mesh=mesh)
     tokenizer = load_tokenizer(model_path)
     if backend.interprets(model.attention_impl):
         print(f"warning: --attention_impl {model.attention_impl} without a GPU runs the Pallas kernels in interpret "

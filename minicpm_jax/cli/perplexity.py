@@ -9,6 +9,7 @@ Accepts the model flags of ``minicpm_jax.run`` (``--dtype``, ``--quant``, ``--at
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 
@@ -19,11 +20,11 @@ from absl import app, flags
 from flax import nnx
 
 from minicpm_jax.model.cache import KVCache
+from minicpm_jax.model.parallel import REPLICATED, spmd
 from minicpm_jax.errors import MiniCPMError
-from minicpm_jax.cli.flags import fail, load_from_flags, validate_model_flags, weights_description
+from minicpm_jax.cli.flags import apply_system_flags, fail, load_from_flags, validate_model_flags, weights_description
 
 
-@jax.jit
 def _chunk_nll(graphdef, state, cache: KVCache, tokens, targets, num_valid):
     """Summed NLL of ``targets [1, T]`` (−1 = not scored) after ``tokens [1, T]``, and the cache."""
     model = nnx.merge(graphdef, state)
@@ -31,6 +32,9 @@ def _chunk_nll(graphdef, state, cache: KVCache, tokens, targets, num_valid):
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     picked = jnp.take_along_axis(logp, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
     return -jnp.sum(jnp.where(targets >= 0, picked, 0.0)), cache
+
+
+_chunk_nll_jit = jax.jit(_chunk_nll)  # one device: the graphdef (a static pytree) keys the compiled program
 
 
 def negative_log_likelihood(model, ids: list[int] | np.ndarray, *, context: int, chunk_length: int = 512) -> tuple[float, int]:
@@ -41,6 +45,11 @@ def negative_log_likelihood(model, ids: list[int] | np.ndarray, *, context: int,
     if len(ids) < 2:
         raise MiniCPMError("the text has fewer than 2 tokens")
     graphdef, state = nnx.split(model)
+    chunk_nll = functools.partial(_chunk_nll_jit, graphdef)
+    if model.mesh is not None:  # split over a mesh: each chunk one SPMD program
+        r, c = REPLICATED, model.cache_specs()
+        chunk_nll = jax.jit(spmd(model.mesh, functools.partial(_chunk_nll, graphdef), (model.param_specs(state), c, r, r, r),
+                                 (r, c)))
     chunk = min(chunk_length, context)
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, context):
@@ -55,7 +64,7 @@ def negative_log_likelihood(model, ids: list[int] | np.ndarray, *, context: int,
             targets = np.full((1, chunk), -1, np.int32)
             tokens[0, : len(part)] = part
             targets[0, : len(nxt)] = nxt
-            nll, cache = _chunk_nll(graphdef, state, cache, jnp.asarray(tokens), jnp.asarray(targets),
+            nll, cache = chunk_nll(state, cache, jnp.asarray(tokens), jnp.asarray(targets),
                                     jnp.asarray([len(part)], jnp.int32))
             total += float(nll)
             count += len(nxt)
@@ -84,6 +93,7 @@ def main(argv):
                 text = f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise MiniCPMError(f"cannot read --text_file {FLAGS.text_file}: {e}") from None
+        apply_system_flags()
         _, model, tokenizer, load_s = load_from_flags()
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         context = FLAGS.context or model.max_length

@@ -10,7 +10,8 @@ Flag groups (see --helpfull for every flag with its default):
   speculative: --draft_path --spec_num_iter --spec_topk_per_iter --spec_tree_size --spec_window_size
                --frspec_path --frspec_vocab_size
   output:      --stream --plain_output --stats --json_output --interactive
-  system:      --compilation_cache
+  parallel:    --tensor_parallel --coordinator_address --num_processes --process_id
+  system:      --compilation_cache --xla_command_buffers
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import os
 import random
 import sys
 import time
+
+import numpy as np
 
 from absl import app, flags
 
@@ -133,7 +136,7 @@ class Runner:
         self.engine = make_engine(model, batch_size=1)
         self.stop_ids = [] if FLAGS.ignore_eos else stop_token_ids(model.config, self.tokenizer, self.model_path)
         self.stop_ids += self._single_token_stops(FLAGS.stop)
-        self.seed = FLAGS.seed if FLAGS.seed is not None else random.SystemRandom().randrange(2**31)
+        self.seed = FLAGS.seed if FLAGS.seed is not None else shared_seed(random.SystemRandom().randrange(2**31))
 
     def _single_token_stops(self, stops: list[str]) -> list[int]:
         """Stop strings that are one special token are also stopped on device (no extra tokens run)."""
@@ -252,6 +255,30 @@ class Runner:
                 print(format_stats(stats, FLAGS.plain_output), file=sys.stderr)
 
 
+def shared_seed(seed: int) -> int:
+    """Process 0's ``seed`` on every process of a multi-process run (they run one SPMD program, so they
+    must sample alike); ``seed`` itself otherwise."""
+    import jax
+
+    if jax.process_count() == 1:
+        return seed
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int32(seed)))
+
+
+def quiet_other_processes() -> None:
+    """In a multi-process run every process generates the same text; process 0 alone prints it."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    if FLAGS.interactive:
+        raise MiniCPMError("--interactive reads one terminal: run several processes without it")
+    if jax.process_index() > 0:
+        sys.stdout = open(os.devnull, "w")
+
+
 def main(argv) -> None:
     from absl import logging
 
@@ -262,6 +289,7 @@ def main(argv) -> None:
         exit_on_interrupt()  # until the model is loaded and compiled steps can be interrupted cleanly
         _validate()
         apply_system_flags()
+        quiet_other_processes()
         runner = Runner()
         raise_on_interrupt()
         runner.interactive() if FLAGS.interactive else runner.one_shot()

@@ -511,6 +511,11 @@ def _serve() -> None:
     access_log.setLevel(FLAGS.log_level.upper())
     access_log.propagate = False
     apply_system_flags()
+    import jax
+
+    if jax.process_count() > 1:
+        raise MiniCPMError("the server runs in one process (its scheduler decides every step): use --tensor_parallel "
+                           "over this host's devices, or several hosts with `python -m minicpm_jax.run`")
     model_path, model, tokenizer, load_s = load_from_flags(progress=True, batch_size=FLAGS.max_batch_size)
     engine = Engine(model, batch_size=FLAGS.max_batch_size, chunk_length=FLAGS.chunk_length,
                     decode_block=FLAGS.decode_block)

@@ -23,6 +23,20 @@ def enable_command_buffers() -> bool:
     return True
 
 
+def start_distributed(coordinator_address: str | None, num_processes: int | None, process_id: int | None) -> bool:
+    """Joins a multi-process run (several hosts, or several processes on one) through
+    ``jax.distributed.initialize`` when a coordinator is named (here or in ``$JAX_COORDINATOR_ADDRESS``) or
+    a process count above 1 is given; unset values are detected by JAX (SLURM, Open MPI, ...). Must run
+    before the first JAX computation. Returns whether it joined one."""
+    coordinator = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if coordinator is None and (num_processes or 1) <= 1:
+        return False
+    import jax
+
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    return True
+
+
 def enable_compilation_cache() -> None:
     """Persistent XLA compilation cache in ``$MINICPM_JAX_CACHE/jax_cache``, so a second run starts faster."""
     import jax
