@@ -30,6 +30,14 @@ Scenarios (``--scenarios``, comma-separated):
   ``--sparse_modes off,on`` (the shape's sparse_config, else MiniCPM4's), with the KV + compressed cache
   bytes and the peak GPU memory.
 
+* ``collectives`` — the all-reduce of tensor parallelism alone (``psum`` in ``shard_map`` over the largest
+  ``--tensor_parallel`` size): µs per call at the decode step's message sizes and the bus bandwidth at
+  large ones (see ``benchmarks.collectives``).
+
+e2e rows run for each ``--tensor_parallel`` size (the model split over that many devices; ``--spmd_single``
+adds size 1 through the sharded program, to price the SPMD path on one device), with the speed-up over
+size 1 and, with ``--profile_collectives``, the collectives' kernel time per layer from a profile.
+
 ``--peer hf`` first runs HF transformers (PyTorch, same GPU, same shape, random weights; see
 ``benchmarks.hf_peer``) on the e2e contexts, in a subprocess before JAX takes the GPU, and adds its rows and our
 ratio to it. Writes JSON (``--json_out``) and markdown (``--markdown_out``); prints the markdown last;
@@ -47,6 +55,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
+from benchmarks.collectives import DEFAULT_SIZES, bench_allreduce, collectives_markdown
 from benchmarks.e2e import bench_end_to_end, markdown, run_hf_peer
 from benchmarks.int4 import bench_int4, int4_markdown
 from benchmarks.kernels import bench_kernels, kernels_markdown
@@ -62,7 +71,7 @@ from minicpm_jax.quant import QuantSpec
 from pallas_kernels.int4_matmul import KERNELS as INT4_KERNELS
 
 FLAGS = flags.FLAGS
-SCENARIOS = ("e2e", "kernels", "load", "int4", "sparse", "spec")
+SCENARIOS = ("e2e", "kernels", "load", "int4", "sparse", "spec", "collectives")
 flags.DEFINE_list("scenarios", ["e2e"], "Which benchmarks: e2e (prefill + decode), kernels (attention), load, "
                   "int4 (dequant-GEMM), sparse (InfLLM-v2 attention vs dense).")
 flags.DEFINE_enum("shape", "minicpm4-8b", list(SHAPES), "Model shape (random weights).")
@@ -88,6 +97,12 @@ flags.DEFINE_integer("spec_oracle_tree_size", 32, "spec: tree nodes of the oracl
 flags.DEFINE_integer("spec_frspec_vocab", 32768, "spec: FR-Spec draft vocabulary of the oracle rounds (0 = full).")
 flags.DEFINE_list("prefill_contexts", ["2048", "8192", "32768"], "kernels: causal prompt lengths.")
 flags.DEFINE_list("decode_contexts", ["1024", "8192", "32768", "131072"], "kernels: cache lengths for decode.")
+flags.DEFINE_list("tensor_parallel", ["1"], "e2e: device counts to split the model over (tensor parallelism), one row "
+                  "set each; collectives: the largest is the mesh.")
+flags.DEFINE_boolean("spmd_single", False, "e2e: also run size 1 through the sharded (SPMD) program.")
+flags.DEFINE_boolean("profile_collectives", False, "e2e: profile the decode loop of split models and report the "
+                     "collectives' kernel time per layer.")
+flags.DEFINE_list("collective_bytes", [str(n) for n in DEFAULT_SIZES], "collectives: message sizes in bytes.")
 flags.DEFINE_integer("batch_size", 1, "Sequences decoded together.")
 flags.DEFINE_integer("decode_steps", 128, "Tokens decoded per timed run.")
 flags.DEFINE_integer("decode_block", 32, "Decode steps per host round trip.")
@@ -201,17 +216,26 @@ def _main():
                                            quant_spec.group_size, dtype, FLAGS.decode_steps, FLAGS.repeats,
                                            random_model, FLAGS.spec_oracle_tree_size, FLAGS.spec_frspec_vocab)
         tables.append(spec_markdown(result["spec"]))
+    sizes = _int_list("tensor_parallel", FLAGS.tensor_parallel)
+    if "collectives" in FLAGS.scenarios:
+        result["collectives"] = bench_allreduce(max(sizes), _int_list("collective_bytes", FLAGS.collective_bytes),
+                                                FLAGS.repeats)
+        tables.append(collectives_markdown(max(sizes), result["collectives"], device))
     if "e2e" in FLAGS.scenarios:
         rows = []
         dump_hlo = FLAGS.dump_hlo
+        runs = [(n, n > 1) for n in sizes] + ([(1, True)] if FLAGS.spmd_single else [])
         for quant in FLAGS.quants:
             for impl in FLAGS.attention_impls:
                 for sparse in FLAGS.sparse_modes:
-                    rows += bench_end_to_end(FLAGS.shape, contexts, FLAGS.batch_size, FLAGS.decode_steps,
-                                             FLAGS.decode_block, FLAGS.chunk_length, dtype, FLAGS.repeats, bandwidth,
-                                             flops, FLAGS.max_length, dump_hlo, attention_impl=impl,
-                                             quant=quant_spec if quant == "int4" else None, sparse=sparse)
-                    dump_hlo = None
+                    for n, spmd in runs:
+                        rows += bench_end_to_end(FLAGS.shape, contexts, FLAGS.batch_size, FLAGS.decode_steps,
+                                                 FLAGS.decode_block, FLAGS.chunk_length, dtype, FLAGS.repeats,
+                                                 bandwidth, flops, FLAGS.max_length, dump_hlo, attention_impl=impl,
+                                                 quant=quant_spec if quant == "int4" else None, sparse=sparse,
+                                                 tensor_parallel=n, spmd=spmd,
+                                                 profile_collectives=FLAGS.profile_collectives)
+                        dump_hlo = None
         result["rows"] = [dict(dataclasses.asdict(r), pct_roofline=r.pct_roofline) for r in rows]
         tables.append(markdown(rows, bandwidth, flops, device, result.get("peer")))
     text = "\n\n".join(tables)

@@ -1,27 +1,33 @@
 """The ``e2e`` scenario: the real engine (chunked prefill, on-device decode loop) on a model shape with
 random weights — decode ms/token against (weights + valid K/V bytes) / copy bandwidth, prefill tok/s
-against FLOPs per token / matmul FLOP/s — and the HF transformers peer rows beside it."""
+against FLOPs per token / matmul FLOP/s — and the HF transformers peer rows beside it. With tensor
+parallelism each device reads its share, so the roofline is that share over one device's copy bandwidth,
+and each row also gives its speed-up over the one-device row and (``profile_collectives``) the time its
+all-reduces take per layer, from a profile of the decode loop."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import glob
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.shapes import SHAPES, decode_weight_bytes, prefill_flops_per_token, random_model
+from benchmarks.timing import kernel_seconds
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.engine.engine import Engine
-from minicpm_jax.engine.steps import decode_steps
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.cache import KVCache
+from minicpm_jax.model.parallel import TensorParallel, make_mesh
 from minicpm_jax.quant import QuantSpec
 
 
@@ -40,6 +46,11 @@ class Row:
     sparse: str = "off"
     cache_bytes: int = 0
     peak_bytes: int | None = None
+    tensor_parallel: int = 1
+    spmd: bool = False  # the SPMD (sharded) program, also at size 1
+    allreduce_us_per_layer: float | None = None  # profiled collective kernel time per decode step / layers
+    kernel_ms_per_step: float | None = None  # profiled GPU kernel time per decode step (one device), all kernels
+    top_kernels_us_per_step: dict | None = None  # the profile's longest kernels (one device), µs per decode step
 
     @property
     def decode_ms(self) -> float:
@@ -51,28 +62,53 @@ class Row:
 
 
 def decode_hlo(engine: Engine, mode: str = "dense") -> str:
-    """Optimized HLO of the engine's decode block (compiled here from the same program, for performance work)."""
+    """Optimized HLO of the engine's decode block (its own program, compiled again here, for performance work)."""
     steps = engine.steps
-    fn = jax.jit(functools.partial(decode_steps, steps.graphdef, num_steps=engine.decode_block), donate_argnums=1,
-                 static_argnames=("mode", "sampling"))
-    return fn.lower(steps.state, engine.cache, engine.decode_state([], [], []), mode=mode).compile().as_text()
+    fn = steps.compiled.jitted["decode"]
+    return fn.lower(steps.state, engine.cache, engine.decode_state([], [], []), mode=mode, sampling="auto").compile().as_text()
+
+
+# NCCL's kernels, and XLA's own all-reduce kernels (fused psums, "__triton_collective" fusions).
+COLLECTIVE_KERNEL = re.compile(r"nccl|all_?reduce|allreduce|all-reduce|psum|all_?gather|collective", re.IGNORECASE)
+
+
+def profiled_seconds(engine: Engine, prompts, decode_steps: int) -> dict[str, float] | None:
+    """GPU kernel seconds by kernel of one ``generate`` call (prefill of ``prompts`` + ``decode_steps``
+    tokens) on the first device, from a ``jax.profiler`` trace; None without GPU kernels in the trace."""
+    engine.generate(prompts, max_new_tokens=2)
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            engine.generate(prompts, max_new_tokens=decode_steps)
+        finally:
+            jax.profiler.stop_trace()
+        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            return None
+        per_kernel = kernel_seconds(jax.profiler.ProfileData.from_file(files[0]).planes, device=0)
+    return per_kernel or None
 
 
 def bench_end_to_end(shape: str, contexts: list[int], batch_size: int, decode_steps: int, decode_block: int,
                      chunk_length: int, dtype, repeats: int, bandwidth: float, flops: float,
                      max_length: int | None = None, dump_hlo: str | None = None,
-                     attention_impl: str = "auto", quant: QuantSpec | None = None, sparse: str = "off") -> list[Row]:
+                     attention_impl: str = "auto", quant: QuantSpec | None = None, sparse: str = "off",
+                     tensor_parallel: int = 1, spmd: bool = False, profile_collectives: bool = False) -> list[Row]:
+    """Rows of one model (shape, weights, kernels, sparse mode) split over ``tensor_parallel`` devices
+    (``spmd``: through the sharded program even at size 1) at each context."""
     config = ModelConfig.from_dict(SHAPES[shape])
     max_length = max_length or max(contexts) + decode_steps + 8
     if max_length < max(contexts) + decode_steps:
         raise MiniCPMError(f"--max_length {max_length} is too small for context {max(contexts)} + {decode_steps} steps")
-    model = random_model(config, max_length, dtype, attention_impl, quant, sparse)
+    tp = TensorParallel.of(config, tensor_parallel, quant)
+    mesh = make_mesh(tensor_parallel) if tensor_parallel > 1 or spmd else None
+    model = random_model(config, max_length, dtype, attention_impl, quant, sparse, mesh=mesh)
     impl = model.attention_impl
-    cache_bytes = KVCache.nbytes(config, batch_size, max_length, dtype, model.sparse)
+    cache_bytes = KVCache.nbytes(config, batch_size, max_length, dtype, model.sparse, kv_heads=tp.stored_kv_heads) // tp.size
     qname = "none" if quant is None else f"int4 g{quant.group_size}"
     engine = Engine(model, batch_size=batch_size, chunk_length=min(chunk_length, max_length), decode_block=decode_block)
     itemsize = jnp.dtype(dtype).itemsize
-    wbytes = decode_weight_bytes(config, itemsize, quant)
+    wbytes = decode_weight_bytes(config, itemsize, quant) / tp.size  # each device reads its share
     rng = np.random.default_rng(0)
     rows = []
     for ctx in contexts:
@@ -88,15 +124,31 @@ def bench_end_to_end(shape: str, contexts: list[int], batch_size: int, decode_st
             assert all(len(r.token_ids) == decode_steps for r in results)
             pre.append(stats.prefill_tokens_per_s)
             dec.append(1e3 * stats.decode_time / (decode_steps - 1))  # per step (all rows advance together)
-        # The least KV a step must read is the valid context (the xla path reads all max_length slots).
-        kv_bytes = 2 * config.num_layers * batch_size * config.num_kv_heads * ctx * config.head_dim * itemsize
+        # The least KV a step must read is the valid context (the xla path reads all max_length slots); a
+        # device reads its KV heads (copies included).
+        kv_bytes = 2 * config.num_layers * batch_size * tp.kv_heads * ctx * config.head_dim * itemsize
         roofline_ms = 1e3 * (wbytes + kv_bytes) / bandwidth
-        prefill_roof = flops / prefill_flops_per_token(config, ctx)
+        prefill_roof = tp.size * flops / prefill_flops_per_token(config, ctx)
         stats = jax.devices()[0].memory_stats() or {}
+        allreduce = kernels = top = None
+        if profile_collectives:
+            per_kernel = profiled_seconds(engine, prompts, decode_steps)
+            if per_kernel is not None:  # prefill's kernels are a small share at these lengths; counted in
+                steps = decode_steps - 1
+                # 2 per layer (o_proj, down_proj) + the embedding; the logits' gather is counted in too.
+                comm = sum(t for name, t in per_kernel.items() if COLLECTIVE_KERNEL.search(name))
+                allreduce = 1e6 * comm / steps / config.num_layers if tp.size > 1 else None
+                kernels = 1e3 * sum(per_kernel.values()) / steps
+                top = {k: 1e6 * t / steps for k, t in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]}
+                print("  longest kernels, us/step: " + "; ".join(f"{k[:60]} {v:.0f}" for k, v in top.items()),
+                      file=sys.stderr)
         rows.append(Row(shape, impl, qname, ctx, batch_size, max_length, pre, dec, roofline_ms, prefill_roof, sparse,
-                        cache_bytes, stats.get("peak_bytes_in_use")))
-        print(f"  {shape} {impl} {qname} sparse={sparse} ctx={ctx}: decode {dec} ms/token (roofline {roofline_ms:.3f} ms), prefill {pre} tok/s",
-              file=sys.stderr)
+                        cache_bytes, stats.get("peak_bytes_in_use"), tp.size, mesh is not None, allreduce, kernels,
+                        top))
+        print(f"  {shape} {impl} {qname} sparse={sparse} tp={tp.size}{' spmd' if mesh is not None else ''} ctx={ctx}: "
+              f"decode {dec} ms/token (roofline {roofline_ms:.3f} ms), prefill {pre} tok/s"
+              + (f", collectives {allreduce:.1f} us/layer" if allreduce is not None else "")
+              + (f", kernels {kernels:.3f} ms/step" if kernels is not None else ""), file=sys.stderr)
     return rows
 
 
@@ -109,9 +161,10 @@ def _peer_row(peer: dict | None, attn: str, ctx: int) -> dict | None:
 
 def markdown(rows: list[Row], bandwidth: float, flops: float, device: str, peer: dict | None = None) -> str:
     attns = sorted({r["attn"] for r in (peer or {}).get("rows", [])})
-    head = ("| shape | attention | weights | sparse | batch | context | max_length | decode ms/token (runs) | roofline ms | "
-            "% of roofline | decode vs dense | prefill tok/s (runs) | % of matmul roofline | KV cache GB | peak GPU GB |")
-    sep = "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    head = ("| shape | attention | weights | sparse | TP | batch | context | max_length | decode ms/token (runs) | "
+            "roofline ms | % of roofline | decode vs dense | vs TP 1 | collectives µs/layer | prefill tok/s (runs) | "
+            "% of matmul roofline | KV cache GB/device | peak GPU GB |")
+    sep = "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     for a in attns:
         head += f" HF {a} decode ms/token | ours vs HF {a} decode | HF {a} prefill tok/s |"
         sep += "---|---|---|"
@@ -125,13 +178,20 @@ def markdown(rows: list[Row], bandwidth: float, flops: float, device: str, peer:
         runs = ", ".join(f"{x:.3f}" for x in r.decode_ms_per_token)
         pre = ", ".join(f"{x:,.0f}" for x in r.prefill_tok_s)
         pct_pre = 100 * statistics.median(r.prefill_tok_s) / r.prefill_roofline_tok_s
-        dense = [d for d in rows if d.quant == "none" and d.sparse == "off"
-                 and (d.attention_impl, d.context) == (r.attention_impl, r.context)]
+        dense = [d for d in rows if d.quant == "none" and d.sparse == "off" and d.tensor_parallel == r.tensor_parallel
+                 and d.spmd == r.spmd and (d.attention_impl, d.context) == (r.attention_impl, r.context)]
         vs_dense = f"{dense[0].decode_ms / r.decode_ms:.2f}x" if dense else "n/a"
+        single = [d for d in rows if d.tensor_parallel == 1 and not d.spmd and (d.attention_impl, d.quant, d.sparse,
+                  d.context, d.batch_size) == (r.attention_impl, r.quant, r.sparse, r.context, r.batch_size)]
+        vs_tp1 = f"{single[0].decode_ms / r.decode_ms:.2f}x" if single else "n/a"
+        collectives = "n/a" if r.allreduce_us_per_layer is None else f"{r.allreduce_us_per_layer:.1f}"
+        if r.kernel_ms_per_step is not None:
+            collectives += f" (kernels {r.kernel_ms_per_step:.2f} ms/step)"
+        tp = f"{r.tensor_parallel}{' (spmd)' if r.spmd and r.tensor_parallel == 1 else ''}"
         peak = "n/a" if r.peak_bytes is None else f"{r.peak_bytes / 1e9:.1f}"
-        line = (f"| {r.shape} | {r.attention_impl} | {r.quant} | {r.sparse} | {r.batch_size} | {r.context} | "
+        line = (f"| {r.shape} | {r.attention_impl} | {r.quant} | {r.sparse} | {tp} | {r.batch_size} | {r.context} | "
                 f"{r.max_length} | {r.decode_ms:.3f} ({runs}) | {r.roofline_ms:.3f} | {r.pct_roofline:.1f}% | {vs_dense} | "
-                f"{pre} | {pct_pre:.1f}% | {r.cache_bytes / 1e9:.2f} | {peak} |")
+                f"{vs_tp1} | {collectives} | {pre} | {pct_pre:.1f}% | {r.cache_bytes / 1e9:.2f} | {peak} |")
         for a in attns:
             p = _peer_row(peer, a, r.context)
             if p is None or not p["decode_ms_per_token"]:

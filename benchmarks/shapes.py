@@ -13,6 +13,7 @@ from flax import nnx
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.io.names import decoder_layer_linears
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
+from minicpm_jax.model.loading import shard_model
 from minicpm_jax.quant import QuantSpec
 
 
@@ -105,7 +106,9 @@ def prefill_flops_per_token(config: ModelConfig, context: int) -> float:
 
 
 def random_model(config: ModelConfig, max_length: int, dtype, attention_impl: str = "auto",
-                 quant: QuantSpec | None = None, sparse: str = "off") -> MiniCPMForCausalLM:
-    """Random-weight model created directly on the default device (the same weights for every backend)."""
-    return MiniCPMForCausalLM(config, max_length=max_length, dtype=dtype, attention_impl=attention_impl,
-                              rngs=nnx.Rngs(0), quant=quant, sparse=sparse)
+                 quant: QuantSpec | None = None, sparse: str = "off", mesh=None) -> MiniCPMForCausalLM:
+    """Random-weight model created on the default device (the same weights for every backend), then split
+    over ``mesh`` when given (tensor parallelism)."""
+    model = MiniCPMForCausalLM(config, max_length=max_length, dtype=dtype, attention_impl=attention_impl,
+                               rngs=nnx.Rngs(0), quant=quant, sparse=sparse)
+    return model if mesh is None else shard_model(model, mesh)

@@ -79,12 +79,13 @@ def loop_kernel_time(run, args: tuple, *, iters: int) -> float | None:
     return sum(per_kernel.values()) / iters if per_kernel else None
 
 
-def kernel_seconds(planes) -> dict[str, float]:
+def kernel_seconds(planes, device: int | None = None) -> dict[str, float]:
     """Seconds by kernel name of the events on the GPU planes' stream lines of a profile (``ProfileData
-    .planes``); the ``__N`` suffix XLA gives each launch site of one kernel is dropped."""
+    .planes``; ``device``: only that GPU's plane); the ``__N`` suffix XLA gives each launch site of one
+    kernel is dropped."""
     out: dict[str, float] = {}
     for plane in planes:
-        if not plane.name.startswith("/device:GPU"):
+        if not plane.name.startswith("/device:GPU" if device is None else f"/device:GPU:{device}"):
             continue
         for line in plane.lines:
             if "Stream" not in line.name:
