@@ -1,6 +1,7 @@
 """``--tensor_parallel`` as a user runs it (the CPU devices of tests/conftest.py stand for GPUs): the demo
-model over the sizes its 9 heads allow and refusing the others, and one model split over two processes
-through ``jax.distributed`` (gloo collectives between them), against one process on one device."""
+model over the sizes its 9 heads allow and refusing the others, one model split over two processes
+through ``jax.distributed`` (gloo collectives between them), perplexity and the server of a split model,
+each against one process on one device."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import socket
 import subprocess
 import sys
 
+import httpx
 import pytest
 
-from tests.helpers import random_hf_weights, write_checkpoint
+from tests.helpers import Server, random_hf_weights, write_checkpoint
 
 RUN = [sys.executable, "-m", "minicpm_jax.run"]
 PROMPT = ["--prompt_text", "Name three colours.", "--num_generate", "10", "--json_output", "--seed", "0"]
@@ -89,3 +91,19 @@ def test_perplexity_of_a_split_model(small_llama, tmp_path):
     assert one.returncode == 0 and two.returncode == 0, two.stderr
     value = lambda r: float(r.stdout.split()[1])  # noqa: E731
     assert abs(value(two) - value(one)) < 1e-4 * value(one)
+
+
+@pytest.mark.smollm2
+def test_server_of_a_split_model(small_llama):
+    """The server over two devices answers as one process on one device does (greedy)."""
+    body = {"prompt": "Name three colours.", "max_tokens": 8, "temperature": 0}
+    texts = []
+    for flags in ((), ("--tensor_parallel", "2")):
+        server = Server("--model_path", small_llama, "--max_length", "128", "--max_batch_size", "2", *flags)
+        try:
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        finally:
+            server.stop()
+    assert texts[1] == texts[0] and texts[0]
