@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from minicpm_jax.engine.sampling import SamplingParams, row_key, sampling_kind
 from minicpm_jax.engine.steps import PlainSteps, PrefillChunk
@@ -27,6 +28,7 @@ from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.infllm.policy import attention_mode
 from minicpm_jax.model.cache import KVCache
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
+from minicpm_jax.model.loading import shard_model
 
 MIN_CHUNK = 32  # smallest prefill chunk shape
 
@@ -84,6 +86,16 @@ class GenerationStats:
         }
 
 
+def split_over(model: MiniCPMForCausalLM, mesh: Mesh | None) -> MiniCPMForCausalLM:
+    """``model`` split over ``mesh`` (tensor parallelism; :func:`~minicpm_jax.model.loading.shard_model`)
+    unless it already is, or ``model`` itself without a mesh."""
+    if mesh is None or model.mesh is mesh:
+        return model
+    if model.mesh is not None:
+        raise MiniCPMError("the model is already split over another mesh")
+    return shard_model(model, mesh)
+
+
 def allocate_cache(model: MiniCPMForCausalLM, batch_size: int) -> KVCache:
     """``model.new_cache(batch_size)``, with an accelerator out-of-memory error turned into one line that
     names the cache's size (a Python API user who skipped :mod:`minicpm_jax.engine.memory`'s check)."""
@@ -108,12 +120,17 @@ class Engine:
       decode_block: decode steps per host round trip.
       steps: the device programs (default :class:`~minicpm_jax.engine.steps.PlainSteps` of ``model``); a
         speculative engine passes its own (see :class:`~minicpm_jax.engine.speculative.engine.SpeculativeEngine`).
+      mesh: split ``model`` over this mesh (tensor parallelism, ``minicpm_jax.model.parallel.make_mesh``)
+        unless it already is; a model loaded with ``load_model(..., mesh=)`` needs none.
     """
 
     def __init__(self, model: MiniCPMForCausalLM, *, batch_size: int = 1, chunk_length: int = 256,
-                 decode_block: int = 16, steps=None):
+                 decode_block: int = 16, steps=None, mesh: Mesh | None = None):
         if batch_size < 1 or chunk_length < 1 or decode_block < 1:
             raise MiniCPMError("batch_size, chunk_length and decode_block must be positive")
+        model = split_over(model, mesh)
+        if steps is not None and steps.model is not model:
+            raise MiniCPMError("the step set runs another model than the engine's")
         self.model = model
         self.config = model.config
         self.max_length = model.max_length

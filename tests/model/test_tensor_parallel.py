@@ -135,11 +135,11 @@ def _one_device(mode: str, ckpt: str):
     return _MODELS[mode]
 
 
-def _engine(model, draft, batch: int):
+def _engine(model, draft, batch: int, mesh=None):
     if draft is None:
-        return Engine(model, batch_size=batch, chunk_length=32, decode_block=4)
+        return Engine(model, batch_size=batch, chunk_length=32, decode_block=4, mesh=mesh)
     copy = nnx.merge(*nnx.split(draft))  # each engine replicates its own draft
-    return SpeculativeEngine(model, copy, batch_size=batch, chunk_length=32, decode_block=2)
+    return SpeculativeEngine(model, copy, batch_size=batch, chunk_length=32, decode_block=2, mesh=mesh)
 
 
 def _run(engine, prompts):
@@ -160,16 +160,21 @@ _WANT: dict = {}
 @pytest.mark.parametrize("mode,size", CASES)
 def test_split_model_equals_one_device(mode, size, ckpt):
     model, draft = _one_device(mode, ckpt)
+    mesh = None
     if mode == "dense":  # read straight into the mesh
         split = load_model(ckpt, dtype=jnp.float32, max_length=MAX_LEN, attention_impl="xla", sparse="off",
                            mesh=make_mesh(size))
+    elif mode.startswith("speculative"):  # the engine splits it
+        split, mesh = model, make_mesh(size)
     else:
         split = shard_model(model, make_mesh(size))
     for batch, prompts in ((1, PROMPTS[:1]), (4, PROMPTS)):
         if (mode, batch) not in _WANT:
             _WANT[mode, batch] = _run(_engine(model, draft, batch), prompts)
         want_logits, want_tokens, want_accepted = _WANT[mode, batch]
-        got_logits, got_tokens, got_accepted = _run(_engine(split, draft, batch), prompts)
+        engine = _engine(split, draft, batch, mesh)
+        assert engine.model.tp.size == size
+        got_logits, got_tokens, got_accepted = _run(engine, prompts)
         np.testing.assert_allclose(got_logits, want_logits, rtol=2e-5, atol=2e-5)
         assert got_tokens == want_tokens
         assert got_accepted == want_accepted
@@ -230,6 +235,14 @@ def test_memory_plan_counts_each_devices_share(ckpt):
     two = weight_bytes(ckpt, dtype=jnp.float32, tensor_parallel=2)
     norms = 4 * CONFIG.hidden_size * (2 * CONFIG.num_layers + 1)  # replicated
     assert two == (one - norms) // 2 + norms + 4 * CONFIG.hidden_size  # the vocabulary padded to 98 rows: + half a row pair
+
+
+def test_engine_refuses_a_model_split_over_another_mesh(ckpt):
+    split = shard_model(_one_device("dense", ckpt)[0], make_mesh(2))
+    with pytest.raises(MiniCPMError, match="already split over another mesh"):
+        Engine(split, mesh=make_mesh(4))
+    with pytest.raises(MiniCPMError, match="already split over a mesh"):
+        shard_model(split, make_mesh(4))
 
 
 def test_split_model_saves_and_converts_as_one_device(ckpt, tmp_path):

@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
-from minicpm_jax.engine.engine import Engine
+from minicpm_jax.engine.engine import Engine, split_over
 from minicpm_jax.engine.speculative.rounds import (
     AcceptRule,
     SpecConfig,
@@ -158,12 +159,14 @@ class SpeculativeEngine(Engine):
     Args:
       model: the target. draft: its :class:`~minicpm_jax.model.draft.EagleDraft` (same dtype).
       spec: tree settings. frspec_ids: FR-Spec subset ``int32[V']``, or None.
-      decode_block: rounds per host round trip. Other arguments as :class:`Engine`.
+      decode_block: rounds per host round trip. Other arguments as :class:`Engine` (with ``mesh`` the draft
+      is replicated on every device).
     """
 
     def __init__(self, model: MiniCPMForCausalLM, draft: EagleDraft, *, spec: SpecConfig = SpecConfig(),
                  frspec_ids: np.ndarray | None = None, batch_size: int = 1, chunk_length: int = 256,
-                 decode_block: int = 4):
+                 decode_block: int = 4, mesh: Mesh | None = None):
+        model = split_over(model, mesh)
         steps = EagleSteps(model, draft, spec=spec, frspec_ids=frspec_ids, batch_size=batch_size,
                            decode_block=decode_block)
         super().__init__(model, batch_size=batch_size, chunk_length=chunk_length, decode_block=decode_block,
