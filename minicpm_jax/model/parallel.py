@@ -206,10 +206,6 @@ class TensorParallel:
 
 
 # ---------------------------------------------------------------------------------------------- layout
-def _axes(var) -> tuple:
-    return tuple(var.get_metadata().get("axes") or (None,) * var.ndim) if hasattr(var, "get_metadata") else ()
-
-
 def to_layout(tp: TensorParallel, axes: Sequence[str | None], value: jax.Array) -> jax.Array:
     """A checkpoint's (canonical) array of a parameter with logical ``axes`` in ``tp``'s stored layout:
     q/k/v and gate/up columns reordered shard by shard (KV columns copied), vocabulary padded with zeros."""
@@ -242,9 +238,9 @@ def from_layout(tp: TensorParallel, axes: Sequence[str | None], value: jax.Array
     return value
 
 
-def param_axes(var) -> tuple:
+def param_axes(var: nnx.Variable) -> tuple:
     """The logical axes a parameter (an ``nnx.Variable``) was created with (None each if it has none)."""
-    return _axes(var)
+    return tuple(var.get_metadata().get("axes") or (None,) * var.ndim)
 
 
 def partition_spec(tp: TensorParallel | None, axes: Sequence[str | None]) -> P:
@@ -258,7 +254,7 @@ def partition_spec(tp: TensorParallel | None, axes: Sequence[str | None]) -> P:
 def state_specs(state: nnx.State, tp: TensorParallel | None) -> nnx.State:
     """``state`` (a module's ``nnx.split`` state) with every variable's value replaced by its PartitionSpec
     (a pytree ``shard_map`` and ``jax.jit`` take as specs)."""
-    return jax.tree.map(lambda v: v.replace(partition_spec(tp, _axes(v))), state,
+    return jax.tree.map(lambda v: v.replace(partition_spec(tp, param_axes(v))), state,
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
@@ -276,8 +272,8 @@ def make_mesh(size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
     ``jax.devices()`` order); MiniCPMError if there are fewer."""
     devices = list(devices if devices is not None else jax.devices())
     if size < 1 or size > len(devices):
-        raise MiniCPMError(f"tensor parallelism over {size} devices, but {len(devices)} "
-                           f"{devices[0].platform if devices else ''} device(s) are visible".replace("  ", " "))
+        kind = f"{devices[0].platform} " if devices else ""
+        raise MiniCPMError(f"tensor parallelism over {size} devices, but {len(devices)} {kind}device(s) are visible")
     return Mesh(np.array(devices[:size]), (AXIS,))
 
 
