@@ -80,7 +80,7 @@ def test_bench_smoke_on_cpu(tmp_path):
         assert isinstance(sec["pallas"], list) and sec["pallas"][0] > 0
         assert isinstance(sec["xla"], list) and sec["xla"][0] > 0
         assert isinstance(sec["cudnn"], str)  # no cuDNN on the CPU: reported, not fatal
-    assert "| minicpm4-tiny | pallas | none | off | 1 | 40 |" in r.stdout and md.read_text().strip() == r.stdout.strip()
+    assert "| minicpm4-tiny | pallas | none | off | 1 | 1 | 40 |" in r.stdout and md.read_text().strip() == r.stdout.strip()
     assert png.stat().st_size > 1000
 
 
@@ -101,7 +101,26 @@ def test_bench_int4_smoke_on_cpu(tmp_path):
         assert row["seconds"]["bf16"][0] > 0 and row["seconds"]["int4_kpacked"][0] > 0
         assert row["seconds"]["int4_kpacked_tile"][0] > 0 and row["config"]["kernel"] == "planes"
     assert "int4_kpacked_tile µs" in r.stdout
-    assert "| minicpm4-tiny | xla | int4 g64 | off | 1 | 24 |" in r.stdout and "int4 dequant-GEMM, group 64" in r.stdout
+    assert "| minicpm4-tiny | xla | int4 g64 | off | 1 | 1 | 24 |" in r.stdout and "int4 dequant-GEMM, group 64" in r.stdout
+
+
+def test_bench_tensor_parallel_smoke_on_cpu(tmp_path):
+    """e2e rows per --tensor_parallel size (and size 1 through the sharded program), with the speed-up over
+    one device; the collectives scenario times psum over the mesh (two of the conftest's CPU devices)."""
+    out = tmp_path / "bench.json"
+    r = _bench("--scenarios", "collectives,e2e", "--shape", "minicpm4-tiny", "--contexts", "24", "--attention_impls",
+               "xla", "--tensor_parallel", "1,2", "--spmd_single", "--collective_bytes", "4096", "--decode_steps", "3",
+               "--decode_block", "2", "--chunk_length", "32", "--dtype", "float32", "--repeats", "1",
+               "--json_out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(row["tensor_parallel"], row["spmd"]) for row in result["rows"]] == [(1, False), (2, True), (1, True)]
+    assert result["rows"][1]["cache_bytes"] * 2 == result["rows"][0]["cache_bytes"]  # each device its KV heads
+    assert all(row["decode_ms_per_token"][0] > 0 for row in result["rows"])
+    [allreduce] = result["collectives"]
+    assert allreduce["bytes"] == 4096 and allreduce["us"][0] > 0 and allreduce["bus_GBps"] > 0
+    assert "| minicpm4-tiny | xla | none | off | 2 | 1 | 24 |" in r.stdout and "| 1 (spmd) |" in r.stdout
+    assert "all-reduce over 2 × cpu" in r.stdout
 
 
 def test_bench_sparse_smoke_on_cpu(tmp_path):

@@ -32,11 +32,11 @@ from minicpm_jax.model.parallel import QKV, GATE_UP, VOCAB, TensorParallel, from
 from minicpm_jax.quant import QuantSpec
 from tests.helpers import SMALL, random_hf_weights, tiny_minicpm_config, write_checkpoint
 
-# 8 query heads over 2 KV heads, head_dim 16, 128 MLP channels (whole int4 groups of 16 on 8 devices) and a
-# vocabulary of 97 (padded to 98, 100, 104).
-CFG = tiny_minicpm_config(intermediate_size=128)
+# 8 query heads over 2 KV heads, head_dim 16, 128 MLP channels (whole int4 groups of 16 on 8 devices), a
+# vocabulary of 97 (padded to 98, 100, 104), 2 layers (each size compiles its own programs).
+CFG = tiny_minicpm_config(intermediate_size=128, num_hidden_layers=2)
 CONFIG = ModelConfig.from_dict(CFG)
-MAX_LEN = 128
+MAX_LEN = 64
 PROMPTS = [list(range(3, 48)), [5, 17, 2, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49] * 4, [7]]
 NEW_TOKENS = 12
 
