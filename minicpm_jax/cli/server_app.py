@@ -1,0 +1,250 @@
+"""The server's FastAPI application: the OpenAI routes over a :class:`~minicpm_jax.engine.scheduler.Scheduler`
+(see :mod:`minicpm_jax.cli.server` for the process around it and docs/serving.md for the API)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import time
+import uuid
+
+from fastapi import Request as HTTPRequest  # module level: FastAPI resolves the string annotations here
+
+from minicpm_jax.cli.openai_api import (
+    AccessLog, APIError, APIKeyCheck, BodyLimit, ChatCompletionRequest, CompletionRequest, SamplingFields, error_body,
+    is_field, shutting_down,
+)
+from minicpm_jax.errors import MiniCPMError
+
+RETRY_AFTER_S = 1
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # OpenAI's defaults, top_k off
+
+
+class Generation:
+    """Bridges one scheduler request to asyncio: text deltas and the finish arrive on a queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, tokenizer, stops: list[str]):
+        from minicpm_jax.tokenizer import TextStream
+
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.text = TextStream(tokenizer, stops, emit=lambda s: self._put(("text", s)))
+
+    def _put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+    def on_tokens(self, ids: list[int]) -> bool:
+        return self.text.push(ids)
+
+    def on_finish(self, reason: str, error: str | None) -> None:
+        self.text.finish()  # flushes the last token's text
+        self._put(("finish", reason, error))
+
+
+def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], api_key: str | None = None,
+               max_body_bytes: int = 1 << 20, sampling_defaults: dict | None = None):
+    """The FastAPI application serving ``scheduler`` (already started). sampling_defaults: temperature /
+    top_p / top_k for requests that give none (the checkpoint's generation_config.json)."""
+    sampling_defaults = dict(sampling_defaults or {})
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from minicpm_jax.engine.sampling import SamplingParams
+    from minicpm_jax.engine.scheduler import Draining, QueueFull, Request
+    from minicpm_jax.tokenizer import encode_prompt
+
+    api = FastAPI(title="minicpm-jax", version="1", description=__doc__.split("\n\n")[0])
+    # Tokenizing a long prompt takes up to a second: off the event loop, on one thread (a fast tokenizer
+    # used from several threads at once can fail with "Already borrowed").
+    tokenize = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    async def off_loop(fn, *args, **kw):
+        return await asyncio.get_running_loop().run_in_executor(tokenize, lambda: fn(*args, **kw))
+
+    max_length = scheduler.engine.max_length
+    created = int(time.time())
+
+    @api.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
+
+    @api.exception_handler(RequestValidationError)
+    async def _invalid(_, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc is a byte offset, not a parameter
+            ctx = (first.get("ctx") or {}).get("error")
+            return JSONResponse(error_body(f"the request body is not valid JSON{f' ({ctx})' if ctx else ''}",
+                                           "invalid_request_error"), status_code=400)
+        where = ".".join(str(x) for x in first.get("loc", ()) if is_field(x)) or None
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        if where:
+            message = f"{where}: {message}"
+        return JSONResponse(error_body(message, "invalid_request_error", where), status_code=400)
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        if e.status_code == 404:
+            return JSONResponse(error_body(f"no route {request.url.path}", "invalid_request_error"), status_code=404)
+        if e.status_code == 405:
+            return JSONResponse(error_body(f"{request.method} is not allowed on {request.url.path}",
+                                           "invalid_request_error"), status_code=405)
+        message = str(e.detail)
+        if e.status_code == 400 and "parsing the body" in message:
+            # FastAPI's words for a body json.loads could not take: bytes that are not UTF-8, nesting
+            # deeper than Python's recursion limit.
+            message = "the request body is not valid JSON (UTF-8 text, nested at most a few hundred levels)"
+        return JSONResponse(error_body(message, "invalid_request_error"), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @api.get("/health")
+    async def health():
+        return {"status": "ok", "active": scheduler.active, "queued": scheduler.queued,
+                "completed": scheduler.completed, "finished": dict(scheduler.finished),
+                "generated_tokens": scheduler.generated_tokens}
+
+    @api.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "minicpm-jax", "max_model_len": max_length}]}
+
+    def _prepare(body: SamplingFields, ids: list[int], max_tokens: int | None):
+        if len(ids) >= max_length:
+            raise APIError(400, f"the prompt has {len(ids)} tokens but the context is {max_length} tokens; "
+                                "shorten it", param="messages")
+        room = max_length - len(ids)
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"max_tokens {max_tokens} is above the context: the prompt has {len(ids)} tokens "
+                                f"and the context is {max_length}, so at most {room} can be generated",
+                           param="max_tokens")
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise APIError(400, "stop takes at most 4 non-empty strings", param="stop")
+        seed = body.seed if body.seed is not None else uuid.uuid4().int % (2**32)
+        given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k") if getattr(body, k) is not None}
+        try:
+            sampling = SamplingParams(**{**OPENAI_SAMPLING, **sampling_defaults, **given}, seed=seed)
+        except MiniCPMError as e:
+            raise APIError(400, str(e)) from None
+        return stops, sampling, max_tokens or room
+
+    def _check_model(body: SamplingFields) -> None:
+        if body.model is not None and body.model != model_name:  # as OpenAI and vLLM answer
+            raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{model_name}` "
+                                "(GET /v1/models)", param="model", code="model_not_found")
+
+    async def _run(body: SamplingFields, ids: list[int], max_tokens: int | None, http: HTTPRequest, kind: str):
+        stops, sampling, budget = _prepare(body, ids, max_tokens)
+        gen = Generation(asyncio.get_running_loop(), tokenizer, stops)
+        req = Request(ids, sampling, budget, stop_ids, gen.on_tokens, gen.on_finish)
+        try:
+            scheduler.submit(req)
+        except QueueFull as e:
+            raise APIError(429, f"server busy: {e}; retry later", type_="rate_limit_error",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except Draining:
+            raise shutting_down() from None
+        except MiniCPMError as e:
+            raise APIError(400, str(e)) from None
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        # Tokens delivered: past a stop string the rest of the decode block is generated but not billed.
+        usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": gen.text.tokens,
+                         "total_tokens": len(ids) + gen.text.tokens}
+        http.state.rid, http.state.usage = rid, usage
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_stream(gen, req, rid, kind, usage, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        text, finish = [], None
+        try:
+            while finish is None:
+                try:
+                    event = await asyncio.wait_for(gen.events.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        scheduler.cancel(req)
+                        return JSONResponse({}, status_code=499)
+                    continue
+                if event[0] == "text":
+                    text.append(event[1])
+                else:
+                    finish, error = event[1], event[2]
+        except asyncio.CancelledError:
+            scheduler.cancel(req)
+            raise
+        if finish == "error":
+            raise APIError(500, f"generation failed: {error}", type_="server_error")
+        if finish == "shutdown":
+            raise shutting_down()
+        content = "".join(text)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}
+                  if kind == "chat" else {"index": 0, "text": content, "finish_reason": finish, "logprobs": None})
+        return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": int(time.time()), "model": model_name, "choices": [choice], "usage": usage()}
+
+    async def _stream(gen: Generation, req, rid: str, kind: str, usage, include_usage: bool):
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
+            if kind == "chat":
+                d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta is not None else {})
+                choice = {"index": 0, "delta": d, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            payload = {"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": [choice]}
+            if include_usage:
+                payload["usage"] = None
+            return f"data: {json.dumps(payload)}\n\n"
+
+        try:
+            if kind == "chat":
+                yield chunk(None, None, first=True)
+            while True:
+                event = await gen.events.get()
+                if event[0] == "text":
+                    yield chunk(event[1], None)
+                    continue
+                reason, error = event[1], event[2]
+                if reason in ("error", "shutdown"):
+                    e = shutting_down() if reason == "shutdown" else None
+                    body = (error_body(e.message, e.type, code=e.code) if e else
+                            error_body(f"generation failed: {error}", "server_error"))
+                    yield f"data: {json.dumps(body)}\n\n"
+                else:
+                    yield chunk(None, reason)
+                    if include_usage:
+                        yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': int(time.time()), 'model': model_name, 'choices': [], 'usage': usage()})}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+        finally:  # the client went away mid-stream (or the stream ended): the slot is freed either way
+            scheduler.cancel(req)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
+        _check_model(body)
+        messages = [{"role": "system" if m.role == "developer" else m.role,
+                     "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+                    for m in body.messages]
+        try:
+            ids = await off_loop(encode_prompt, tokenizer, messages=messages, use_chat_template=True,
+                                 enable_thinking=body.enable_thinking, template_kwargs=body.chat_template_kwargs)
+        except MiniCPMError as e:
+            raise APIError(400, str(e), param="chat_template_kwargs") from None
+        except Exception as e:
+            raise APIError(400, f"cannot apply the chat template to these messages: {e}", param="messages") from None
+        return await _run(body, ids, body.max_completion_tokens or body.max_tokens, http, "chat")
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        _check_model(body)
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if len(prompts) != 1:
+            raise APIError(400, "prompt must be one string (batched prompts are not supported)", param="prompt")
+        ids = await off_loop(encode_prompt, tokenizer, prompts[0], use_chat_template=False)
+        if not ids:
+            raise APIError(400, "prompt is empty", param="prompt")
+        return await _run(body, ids, body.max_tokens, http, "completion")
+
+    return AccessLog(BodyLimit(APIKeyCheck(api, api_key) if api_key else api, max_body_bytes))
