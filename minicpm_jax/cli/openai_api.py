@@ -59,6 +59,8 @@ class SamplingFields(Schema):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    ignore_eos: bool = Field(False, description="extension (vLLM's): generate past the model's stop tokens, to "
+                             "max_tokens (benchmarks)")
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -41,10 +41,22 @@ flags.DEFINE_string("served_model_name", None, "Model id in the API (default: th
 flags.DEFINE_integer("max_body_bytes", 1 << 20, "Largest request body accepted (413 beyond).", module_name=_H)
 flags.DEFINE_float("shutdown_grace_s", 25.0, "On SIGTERM / Ctrl-C: seconds running requests may take to finish "
                    "before they are ended (new and queued requests get 503 at once).", module_name=_H)
+flags.DEFINE_integer("prefill_budget", 0, "Prompt tokens prefilled per scheduler step (a longer prompt is read in "
+                     "pieces of this size, a decode step of the running requests between pieces); 0 = auto: 64 on a "
+                     "CPU, 256 on an accelerator, at most --chunk_length.", module_name=_H)
 flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"],
                   "Server log level; info writes an access line per request to stderr.", module_name=_H)
 
 _LEVELS = ("debug", "info", "warning", "error")
+# The server's --decode_block when the flag is not given (run's is 16): one decode step between scheduling
+# decisions, so a new request is admitted within a step and streams get each token as it is made.
+SERVER_DECODE_BLOCK = 1
+# --prefill_budget auto. On a CPU a prompt token costs about what a decode row does: 64 tokens take about
+# one decode step of 8 rows at 2K context (a long prompt at most doubles the streams' gaps) and a chat
+# prompt fits one piece (its TTFT among 8 busy clients is then ~1.3x its TTFT alone). An accelerator reads
+# the weights once for the whole chunk, so a larger piece costs little more than a decode step.
+AUTO_PREFILL_BUDGET = {"cpu": 64}
+ACCELERATOR_PREFILL_BUDGET = 256
 
 
 def main(argv) -> None:
@@ -62,6 +74,8 @@ def main(argv) -> None:
 
 
 def _serve() -> None:
+    import jax
+
     from minicpm_jax.cli.server_app import create_app
     from minicpm_jax.engine.engine import Engine
     from minicpm_jax.engine.scheduler import Scheduler
@@ -73,6 +87,8 @@ def _serve() -> None:
                            "decode steps); drop --draft_path, or use `python -m minicpm_jax.run --draft_path ...`")
     if not FLAGS.shutdown_grace_s >= 0:
         raise MiniCPMError(f"--shutdown_grace_s must be >= 0, got {FLAGS.shutdown_grace_s}")
+    if FLAGS.prefill_budget < 0:
+        raise MiniCPMError(f"--prefill_budget must be >= 0 (0 = auto), got {FLAGS.prefill_budget}")
     for name in ("max_batch_size", "max_body_bytes"):
         if getattr(FLAGS, name) < 1:
             raise MiniCPMError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
@@ -86,17 +102,18 @@ def _serve() -> None:
     access_log.propagate = False
     apply_system_flags()
     model_path, model, tokenizer, load_s = load_from_flags(progress=True, batch_size=FLAGS.max_batch_size)
-    engine = Engine(model, batch_size=FLAGS.max_batch_size, chunk_length=FLAGS.chunk_length,
-                    decode_block=FLAGS.decode_block)
-    scheduler = Scheduler(engine, max_queue=FLAGS.max_queue)
+    decode_block = FLAGS.decode_block if FLAGS["decode_block"].present else SERVER_DECODE_BLOCK
+    engine = Engine(model, batch_size=FLAGS.max_batch_size, chunk_length=FLAGS.chunk_length, decode_block=decode_block)
+    budget = FLAGS.prefill_budget or AUTO_PREFILL_BUDGET.get(jax.default_backend(), ACCELERATOR_PREFILL_BUDGET)
+    scheduler = Scheduler(engine, max_queue=FLAGS.max_queue, prefill_budget=min(budget, engine.chunk_length))
     stops = stop_token_ids(model.config, tokenizer, model_path)
     t = time.perf_counter()
     _warm_up(scheduler, tokenizer, stops)
     name = FLAGS.served_model_name or os.path.basename(os.path.normpath(model_path))
     print(f"minicpm-jax: {name} loaded in {load_s:.1f} s, compiled in {time.perf_counter() - t:.1f} s; "
           f"{FLAGS.max_batch_size} slots × {model.max_length} tokens ({model.attention_impl} attention, "
-          f"{weights_description(model)} weights, sparse attention {sparse_description(model)}); "
-          f"serving on http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
+          f"{weights_description(model)} weights, sparse attention {sparse_description(model)}; prefill "
+          f"{scheduler.prefill_budget} tokens a step, decode blocks of {decode_block}); serving on http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
     scheduler.start()
     application = create_app(scheduler, tokenizer, model_name=name, stop_ids=stops, api_key=FLAGS.api_key,
                              max_body_bytes=FLAGS.max_body_bytes, sampling_defaults=sampling_defaults(model_path))
@@ -160,19 +177,28 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def _warm_up(scheduler, tokenizer, stops: list[int]) -> None:
-    """Compiles the prefill, first-token and decode steps before the first request arrives."""
+    """Compiles what requests meet before the first arrives: a prompt piece of one slot alone (the chunk
+    width of a long prompt's pieces), two short prompts sharing a chunk (every slot's forward), the first
+    token and the decode block. Shorter pieces' widths compile when first met."""
     from minicpm_jax.engine.sampling import SamplingParams
     from minicpm_jax.engine.scheduler import Request
     from minicpm_jax.tokenizer import encode_prompt
 
     ids = encode_prompt(tokenizer, "Hello", use_chat_template=False) or [0]
-    done = []
-    req = Request(ids, SamplingParams(), 2, stops, lambda _: False, lambda reason, error: done.append(error))
-    scheduler.submit(req)
-    while not done:
-        scheduler.step()
-    if done[0]:
-        raise MiniCPMError(f"warm-up generation failed: {done[0]}")
+    long = (ids * scheduler.piece)[: min(scheduler.piece, scheduler.engine.max_length - 3)]
+    short = long[: max(1, len(long) // 2)]
+    errors = []
+    rounds = [[long]] + ([[short, short]] if scheduler.engine.batch_size > 1 else [])
+    for prompts in rounds:
+        done = []
+        for prompt in prompts:
+            scheduler.submit(Request(prompt, SamplingParams(), 2, stops, lambda _: False,
+                                     lambda reason, error: done.append(error)))
+        while len(done) < len(prompts):
+            scheduler.step()
+        errors += [e for e in done if e]
+    if errors:
+        raise MiniCPMError(f"warm-up generation failed: {errors[0]}")
 
 
 def run() -> None:

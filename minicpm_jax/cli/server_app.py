@@ -18,6 +18,7 @@ from minicpm_jax.cli.openai_api import (
 from minicpm_jax.errors import MiniCPMError
 
 RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # OpenAI's defaults, top_k off
 
 
@@ -138,7 +139,7 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
     async def _run(body: SamplingFields, ids: list[int], max_tokens: int | None, http: HTTPRequest, kind: str):
         stops, sampling, budget = _prepare(body, ids, max_tokens)
         gen = Generation(asyncio.get_running_loop(), tokenizer, stops)
-        req = Request(ids, sampling, budget, stop_ids, gen.on_tokens, gen.on_finish)
+        req = Request(ids, sampling, budget, [] if body.ignore_eos else stop_ids, gen.on_tokens, gen.on_finish)
         try:
             scheduler.submit(req)
         except QueueFull as e:
@@ -158,14 +159,21 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
             return StreamingResponse(_stream(gen, req, rid, kind, usage, include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         text, finish = [], None
+        checked = time.monotonic()
         try:
             while finish is None:
+                event = None
                 try:
-                    event = await asyncio.wait_for(gen.events.get(), timeout=0.5)
+                    event = await asyncio.wait_for(gen.events.get(), timeout=DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    pass
+                # Every DISCONNECT_POLL_S, whether tokens arrive or not (they come every decode step).
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    checked = time.monotonic()
                     if await http.is_disconnected():
                         scheduler.cancel(req)
                         return JSONResponse({}, status_code=499)
+                if event is None:
                     continue
                 if event[0] == "text":
                     text.append(event[1])

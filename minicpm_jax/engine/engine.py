@@ -13,15 +13,17 @@ same public methods.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from minicpm_jax.engine.sampling import SamplingParams, row_key, sampling_kind
-from minicpm_jax.engine.steps import PlainSteps, PrefillChunk
+from minicpm_jax.engine.steps import Compiled, PlainSteps, PrefillChunk, prefill_chunk
 from minicpm_jax.engine.stops import FINISH_NAMES, FINISH_STOP, DecodeState, stop_table
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.infllm.policy import attention_mode
@@ -98,6 +100,30 @@ def allocate_cache(model: MiniCPMForCausalLM, batch_size: int) -> KVCache:
                            "does not fit in the accelerator's memory: lower max_length or the batch size") from None
 
 
+def take_rows(cache: KVCache, idx: jax.Array) -> KVCache:
+    """The cache of the slots ``idx int32[b]`` alone (a ``b``-row :class:`KVCache`: every buffer has the batch
+    on axis 1, ``lengths`` on axis 0)."""
+    return jax.tree.map(lambda x: jnp.take(x, idx, axis=0 if x.ndim == 1 else 1), cache)
+
+
+def put_rows(cache: KVCache, idx: jax.Array, rows: KVCache) -> KVCache:
+    """``cache`` with the slots ``idx int32[b]`` replaced by ``rows`` (a ``b``-row cache, see :func:`take_rows`)."""
+    return jax.tree.map(lambda x, r: x.at[idx].set(r) if x.ndim == 1 else x.at[:, idx].set(r), cache, rows)
+
+
+def prefill_rows(graphdef, state, cache: KVCache, idx, tokens, num_valid, *, mode: str = "dense"):
+    """A prompt chunk ``tokens int32[b, C]`` for the slots ``idx int32[b]`` alone: their cache rows are
+    taken out, run through :func:`~minicpm_jax.engine.steps.prefill_chunk` and put back (the other slots
+    are neither computed nor changed). Returns (cache, logits ``f32[B, V]`` of each row's last real token,
+    zeros for the other slots)."""
+    b = idx.shape[0]
+    vocab = nnx.merge(graphdef, state).config.vocab_size
+    rows, logits = prefill_chunk(graphdef, state, take_rows(cache, idx), tokens, num_valid,
+                                 jnp.zeros((b, vocab), jnp.float32), mode=mode)
+    full = jnp.zeros((cache.lengths.shape[0], vocab), jnp.float32).at[idx].set(logits)
+    return put_rows(cache, idx, rows), full
+
+
 class Engine:
     """Batched generation over one model and one static cache.
 
@@ -124,11 +150,17 @@ class Engine:
         self.cache = allocate_cache(model, batch_size)
         self.history: list[list[int]] = [[] for _ in range(batch_size)]  # tokens whose KV each row holds
         self.sampling = "auto"  # static sampling path of the current generate call (see sampling_kind)
+        # One prompt chunk for one row among many (prefill_chunk): plain steps run it over that row's cache
+        # alone; other step sets keep state per row beside the cache and run every row (the rest masked).
+        self.row_programs = None
+        if isinstance(self.steps, PlainSteps):
+            self.row_programs = Compiled({"prefill_rows": jax.jit(
+                functools.partial(prefill_rows, self.steps.graphdef), donate_argnums=1, static_argnames="mode")})
 
     @property
     def compile_time(self) -> float:
         """Seconds spent compiling, over the engine's life."""
-        return self.steps.compile_time
+        return self.steps.compile_time + (self.row_programs.compile_time if self.row_programs else 0.0)
 
     # ---------------------------------------------------------------- the step API
     def cache_lengths(self) -> list[int]:
@@ -182,6 +214,45 @@ class Engine:
             if on_progress is not None:
                 logits.block_until_ready()
                 on_progress(min(begin + c, total), total)
+        return logits
+
+    def chunk_size(self, tokens: int) -> int:
+        """The compiled chunk width a prefill of ``tokens`` tokens per row runs in: the next power of two,
+        at least ``MIN_CHUNK`` (few compiled shapes, little padding), at most ``chunk_length``."""
+        return min(self.chunk_length, max(MIN_CHUNK, 1 << (max(tokens, 1) - 1).bit_length()))
+
+    def prefill_chunk(self, rows: Sequence[Sequence[int]], size: int) -> jax.Array:
+        """One prefill step: appends the first ``min(size, len(rows[i]))`` tokens of ``rows[i]`` to slot
+        i's cached tokens (empty rows are left as they are), in one forward of
+        ``chunk_size(longest piece)`` tokens per row; ``size`` is at most ``chunk_length``.
+
+        rows: what is left of each slot's prompt; past the piece it is only read as lookahead (the token
+        after the piece, which a speculative draft pairs with the piece's last feature), so a prompt fed
+        as consecutive pieces (``rows[i][size:]`` next time) caches what :meth:`prefill` of the whole
+        prompt would. With one non-empty row and plain steps the forward runs over that slot alone (its
+        cache rows taken out and put back: the cost of one row, not of ``batch_size``); otherwise over
+        every slot with the others masked, as :meth:`prefill` does. This is how a server interleaves a
+        long prompt with the decode steps of running rows. Returns each slot's last-piece-token logits
+        ``f32[B, V]`` (zeros for empty rows)."""
+        if not 1 <= size <= self.chunk_length:
+            raise MiniCPMError(f"a prefill piece takes 1..{self.chunk_length} tokens (chunk_length), got {size}")
+        rows = [list(r) for r in rows] + [[]] * (self.batch_size - len(rows))
+        take = [min(size, len(r)) for r in rows]
+        live = [i for i, n in enumerate(take) if n]
+        if not live:
+            return jnp.zeros((self.batch_size, self.config.vocab_size), jnp.float32)
+        c = self.chunk_size(max(take))
+        pieces = PrefillChunk.of([r[:n] for r, n in zip(rows, take)], 0, c, self.batch_size)
+        following = PrefillChunk.of([r[1 : n + 1] for r, n in zip(rows, take)], 0, c, self.batch_size)
+        chunk = dataclasses.replace(pieces, next_tokens=following.tokens, next_valid=following.num_valid)
+        mode = self.chunk_mode(self.cache_lengths() if self.model.sparse_active else None, chunk)
+        if len(live) == 1 and self.row_programs is not None and self.batch_size > 1:
+            idx = np.asarray(live, np.int32)
+            args = (self.steps.state, self.cache, idx, chunk.tokens[idx], chunk.num_valid[idx])
+            self.cache, logits = self.row_programs("prefill_rows", c, *args, mode=mode)
+            return logits
+        self.cache, logits = self.steps.prefill_chunk(
+            self.cache, chunk, jnp.zeros((self.batch_size, self.config.vocab_size), jnp.float32), mode)
         return logits
 
     def first_token(self, ds: DecodeState, logits: jax.Array, active: jax.Array, sampling: str = "auto") -> DecodeState:

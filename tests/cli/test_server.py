@@ -294,12 +294,12 @@ def test_a_busy_port_is_refused_before_the_model_loads(smollm2_dir):
     assert time.perf_counter() - t < 60  # no model was loaded (that alone takes longer on a CPU)
 
 
-def _sse(server, content: str, max_tokens: int) -> list:
+def _sse(server, content: str, max_tokens: int, **extra) -> list:
     """The data payloads of one streaming chat request (parsed JSON, or the string "[DONE]")."""
     import json
 
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True}
+            "stream": True, **extra}
     events = []
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=300) as r:
         for line in r.iter_lines():

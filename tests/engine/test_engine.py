@@ -240,3 +240,41 @@ def test_seeds_take_all_64_bits():
     SamplingParams(seed=2**64 - 1)
     with pytest.raises(MiniCPMError, match="seed must be in"):
         SamplingParams(seed=2**64)
+
+
+def test_prefill_chunk_pieces_cache_what_a_whole_prefill_does(tiny_ckpt):
+    """Engine.prefill_chunk (a server's interleaved prefill): a prompt fed as pieces, one slot alone (its
+    cache rows taken out and put back) or two slots in one forward, caches the K/V, lengths and last logits
+    a whole-prompt prefill gives, and never changes the other slots."""
+    model = load_model(tiny_ckpt[0], dtype=jnp.float32, max_length=MAX_LEN)
+    rng = np.random.default_rng(1)
+    a, b, other = (list(rng.integers(3, 90, n)) for n in (37, 21, 9))
+    ref = Engine(model, batch_size=3, chunk_length=16)
+    want_logits = np.asarray(ref.prefill([a, b, other]))
+    eng = Engine(model, batch_size=3, chunk_length=16)
+    eng.prefill([[], [], other])
+    other_k = np.asarray(eng.cache.k[:, 2])
+    logits = {}
+
+    def feed(pieces: dict[int, list[int]], size: int):
+        out = np.asarray(eng.prefill_chunk([pieces.get(i, []) for i in range(3)], size))
+        for slot in pieces:
+            logits[slot] = out[slot]
+
+    feed({0: a}, 8)  # slot 0 alone: its rows only
+    feed({0: a[8:]}, 8)
+    feed({0: a[16:], 1: b}, 8)  # two slots: every row's forward, the third masked
+    feed({0: a[24:], 1: b[8:]}, 8)
+    feed({1: b[16:]}, 8)
+    feed({0: a[32:]}, 8)
+    assert eng.cache_lengths() == [37, 21, 9]
+    assert [key for key in eng.row_programs.executables if key[0] == "prefill_rows"]  # one slot ran alone
+    np.testing.assert_array_equal(np.asarray(eng.cache.k[:, 2]), other_k)  # untouched, bit for bit
+    for slot, n in ((0, 37), (1, 21), (2, 9)):
+        for buf, ref_buf in ((eng.cache.k, ref.cache.k), (eng.cache.v, ref.cache.v)):
+            np.testing.assert_allclose(np.asarray(buf[:, slot, :, :n]), np.asarray(ref_buf[:, slot, :, :n]),
+                                       rtol=1e-5, atol=1e-5)
+    for slot in (0, 1):
+        np.testing.assert_allclose(logits[slot], want_logits[slot], rtol=1e-4, atol=1e-4)
+    with pytest.raises(MiniCPMError, match="chunk_length"):
+        eng.prefill_chunk([a], 17)

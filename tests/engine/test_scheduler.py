@@ -139,3 +139,42 @@ def test_drain_ends_the_queue_and_lets_running_rows_finish(tiny_model):
     sched.step()
     assert long_rec["finish"] == "shutdown" and sched.idle and len(long.output) < 80
     assert sched.finished == collections.Counter({"length": 1, "shutdown": 2})
+
+
+def test_a_long_prompt_is_prefilled_in_pieces_between_decode_steps(tiny_model):
+    """A long prompt arriving while rows decode is read prefill_budget tokens a step, a decode block of the
+    running rows after each piece (it used to be prefilled whole before they could go on); every request
+    still gives its solo tokens, and a request that arrives is admitted at the next step."""
+    rng = np.random.default_rng(3)
+    vocab = tiny_model.config.vocab_size
+    running = [list(rng.integers(0, vocab, 6)), list(rng.integers(0, vocab, 11))]
+    long_prompt = list(rng.integers(0, vocab, 70))
+    late = list(rng.integers(0, vocab, 5))
+    solo = Engine(tiny_model, batch_size=1, chunk_length=16, decode_block=2)
+    want = [solo.generate([p], max_new_tokens=n)[0][0].token_ids for p, n in
+            ((running[0], 40), (running[1], 40), (long_prompt, 5), (late, 3))]
+    sched = Scheduler(Engine(tiny_model, batch_size=4, chunk_length=32, decode_block=2), prefill_budget=16)
+    recs = [_request(p, 40) for p in running]
+    for req, _ in recs:
+        sched.submit(req)
+    for _ in range(3):
+        sched.step()
+    long, long_rec = _request(long_prompt, 5)
+    sched.submit(long)
+    steps_to_first, tokens_meanwhile = 0, []
+    while not long.output:
+        before = [len(req.output) for req, _ in recs]
+        sched.step()
+        steps_to_first += 1
+        tokens_meanwhile.append([len(req.output) - b for (req, _), b in zip(recs, before)])
+    # ceil(70 / 16) = 5 pieces, one a step; both running rows got a decode block (2 tokens) every step.
+    assert steps_to_first == 5, steps_to_first
+    assert all(n == [2, 2] for n in tokens_meanwhile), tokens_meanwhile
+    late_req, _ = _request(late, 3)
+    sched.submit(late_req)
+    sched.step()
+    assert len(late_req.output) == 1  # admitted, prefilled and given its first token at the next step
+    while sched.active:
+        sched.step()
+    assert [r.output for r, _ in recs] + [long.output, late_req.output] == want
+    assert long_rec["finish"] == "length"
