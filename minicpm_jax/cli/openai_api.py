@@ -58,7 +58,7 @@ class SamplingFields(Schema):
     stop: Text | list[Text] | None = Field(None, description="up to 4 strings, matched on the text")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    n: int = Field(1, ge=1, le=128, description="choices to generate (at most the server's --max_batch_size)")
     ignore_eos: bool = Field(False, description="extension (vLLM's): generate past the model's stop tokens, to "
                              "max_tokens (benchmarks)")
 
@@ -69,10 +69,16 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's and SGLang's extensions: variables for the chat template (MiniCPM4.1: enable_thinking)
     chat_template_kwargs: dict[str, Any] | None = None
     enable_thinking: bool | None = None
+    logprobs: bool | None = Field(False, description="return each token's log-probability")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: that many most likely "
+                                     "alternatives per token")
 
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[Text]
+    logprobs: int | None = Field(None, ge=0, le=20, description="each token's log-probability and that many "
+                                 "most likely alternatives")
+    echo: bool = Field(False, description="the prompt's text before the completion's (not with logprobs)")
 
 
 # ----------------------------------------------------------------------------- errors

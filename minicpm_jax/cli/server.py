@@ -179,7 +179,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def _warm_up(scheduler, tokenizer, stops: list[int]) -> None:
     """Compiles what requests meet before the first arrives: a prompt piece of one slot alone (the chunk
     width of a long prompt's pieces), two short prompts sharing a chunk (every slot's forward), the first
-    token and the decode block. Shorter pieces' widths compile when first met."""
+    token and the decode block, with and without log-probabilities. Shorter pieces' widths compile when
+    first met."""
     from minicpm_jax.engine.sampling import SamplingParams
     from minicpm_jax.engine.scheduler import Request
     from minicpm_jax.tokenizer import encode_prompt
@@ -188,12 +189,14 @@ def _warm_up(scheduler, tokenizer, stops: list[int]) -> None:
     long = (ids * scheduler.piece)[: min(scheduler.piece, scheduler.engine.max_length - 3)]
     short = long[: max(1, len(long) // 2)]
     errors = []
-    rounds = [[long]] + ([[short, short]] if scheduler.engine.batch_size > 1 else [])
+    # The second round also compiles the steps that return log-probabilities (requests asking for them).
+    logprobs = 0 if scheduler.engine.has_logprobs else None
+    rounds = [[(long, None)]] + ([[(short, logprobs), (short, None)]] if scheduler.engine.batch_size > 1 else [])
     for prompts in rounds:
         done = []
-        for prompt in prompts:
+        for prompt, lp in prompts:
             scheduler.submit(Request(prompt, SamplingParams(), 2, stops, lambda _: False,
-                                     lambda reason, error: done.append(error)))
+                                     lambda reason, error: done.append(error), logprobs=lp))
         while len(done) < len(prompts):
             scheduler.step()
         errors += [e for e in done if e]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import functools
 import json
 import time
 import uuid
@@ -23,24 +25,48 @@ OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # OpenAI's def
 
 
 class Generation:
-    """Bridges one scheduler request to asyncio: text deltas and the finish arrive on a queue."""
+    """One choice of a request, bridged from the scheduler's thread to asyncio: its text deltas (with the
+    log-probability entries of the tokens they complete) and its finish arrive on ``events``, shared by the
+    request's choices, as ``("text", index, text, entries)`` and ``("finish", index, reason, error,
+    entries)``. Entries are ``(token id, logprob, [(id, logprob), ...])``; past a stop string none."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, tokenizer, stops: list[str]):
+    def __init__(self, loop: asyncio.AbstractEventLoop, tokenizer, stops: list[str], events: asyncio.Queue,
+                 index: int = 0):
         from minicpm_jax.tokenizer import TextStream
 
-        self.loop = loop
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.text = TextStream(tokenizer, stops, emit=lambda s: self._put(("text", s)))
+        self.loop, self.events, self.index = loop, events, index
+        self.text = TextStream(tokenizer, stops, emit=lambda s: self._put(("text", index, s, self._take())))
+        self.entries: list[tuple] = []
+        self.sent = 0
+        self.incoming = None
 
     def _put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
 
+    def _take(self) -> list[tuple]:
+        """Entries of the tokens counted so far (up to a stop string's) not yet sent."""
+        upto = min(self.text.tokens, len(self.entries))
+        out, self.sent = self.entries[self.sent : upto], max(self.sent, upto)
+        return out
+
+    def on_logprobs(self, entries) -> None:
+        self.incoming = entries  # for the ids of the next on_tokens
+
     def on_tokens(self, ids: list[int]) -> bool:
+        if self.incoming is not None:
+            self.entries += [(i, lp, top) for i, (lp, top) in zip(ids, self.incoming)]
+            self.incoming = None
         return self.text.push(ids)
 
     def on_finish(self, reason: str, error: str | None) -> None:
         self.text.finish()  # flushes the last token's text
-        self._put(("finish", reason, error))
+        self._put(("finish", self.index, reason, error, self._take()))
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request with ``seed`` (n > 1): the seed itself for the first, then
+    steps of 2**64 / golden ratio (splitmix64's increment), so choices draw different tokens, reproducibly."""
+    return (seed + index * 0x9E3779B97F4A7C15) % 2**64
 
 
 def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], api_key: str | None = None,
@@ -136,98 +162,170 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
             raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{model_name}` "
                                 "(GET /v1/models)", param="model", code="model_not_found")
 
+    @functools.lru_cache(maxsize=1 << 16)
+    def token_text(i: int) -> str:
+        return tokenizer.decode([i])
+
+    def chat_logprobs(entries) -> dict:
+        def one(i, lp):
+            t = token_text(i)
+            return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+        return {"content": [{**one(i, lp), "top_logprobs": [one(j, v) for j, v in top]} for i, lp, top in entries],
+                "refusal": None}
+
+    def completion_logprobs(entries, offset: int) -> dict:
+        """OpenAI's legacy shape; text_offset counts characters of the choice's text from ``offset``."""
+        tokens = [token_text(i) for i, _, _ in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{token_text(j): v for j, v in top} | {token_text(i): lp} for i, lp, top in entries],
+                "text_offset": offsets}
+
+    def _options(body, kind: str) -> tuple[int | None, str]:
+        """(the alternatives per token the request wants log-probabilities with, or None; the echoed text)."""
+        if kind == "chat":
+            if body.top_logprobs is not None and not body.logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            return ((body.top_logprobs or 0) if body.logprobs else None), ""
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs would need the prompt's log-probabilities, which are not "
+                                "computed; drop one of them", param="echo")
+        return body.logprobs, (body.prompt if body.echo else "")
+
     async def _run(body: SamplingFields, ids: list[int], max_tokens: int | None, http: HTTPRequest, kind: str):
         stops, sampling, budget = _prepare(body, ids, max_tokens)
-        gen = Generation(asyncio.get_running_loop(), tokenizer, stops)
-        req = Request(ids, sampling, budget, [] if body.ignore_eos else stop_ids, gen.on_tokens, gen.on_finish)
+        logprobs, echo = _options(body, kind)
+        n = body.n
+        if n > scheduler.engine.batch_size:
+            raise APIError(400, f"n is {n} but this server generates at most {scheduler.engine.batch_size} "
+                                "sequences together (--max_batch_size)", param="n")
+        events: asyncio.Queue = asyncio.Queue()
+        gens = [Generation(asyncio.get_running_loop(), tokenizer, stops, events, i) for i in range(n)]
+        reqs = [Request(ids, dataclasses.replace(sampling, seed=choice_seed(sampling.seed, i)), budget,
+                        [] if body.ignore_eos else stop_ids, g.on_tokens, g.on_finish, logprobs=logprobs,
+                        on_logprobs=g.on_logprobs) for i, g in enumerate(gens)]
         try:
-            scheduler.submit(req)
-        except QueueFull as e:
-            raise APIError(429, f"server busy: {e}; retry later", type_="rate_limit_error",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except Draining:
-            raise shutting_down() from None
-        except MiniCPMError as e:
-            raise APIError(400, str(e)) from None
+            for req in reqs:
+                scheduler.submit(req)
+        except (QueueFull, Draining, MiniCPMError) as e:
+            for req in reqs:
+                scheduler.cancel(req)
+            if isinstance(e, QueueFull):
+                raise APIError(429, f"server busy: {e}; retry later", type_="rate_limit_error",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            raise shutting_down() if isinstance(e, Draining) else APIError(400, str(e)) from None
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         # Tokens delivered: past a stop string the rest of the decode block is generated but not billed.
-        usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": gen.text.tokens,
-                         "total_tokens": len(ids) + gen.text.tokens}
+        done = lambda: sum(g.text.tokens for g in gens)
+        usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": done(), "total_tokens": len(ids) + done()}
         http.state.rid, http.state.usage = rid, usage
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(gen, req, rid, kind, usage, include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        text, finish = [], None
+            return StreamingResponse(_stream(events, reqs, rid, kind, usage, include_usage, logprobs is not None, echo),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        texts, entries, finish = [[echo] for _ in range(n)], [[] for _ in range(n)], [None] * n
         checked = time.monotonic()
         try:
-            while finish is None:
+            while None in finish:
                 event = None
                 try:
-                    event = await asyncio.wait_for(gen.events.get(), timeout=DISCONNECT_POLL_S)
+                    event = await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
                     pass
                 # Every DISCONNECT_POLL_S, whether tokens arrive or not (they come every decode step).
                 if time.monotonic() - checked >= DISCONNECT_POLL_S:
                     checked = time.monotonic()
                     if await http.is_disconnected():
-                        scheduler.cancel(req)
+                        for req in reqs:
+                            scheduler.cancel(req)
                         return JSONResponse({}, status_code=499)
                 if event is None:
                     continue
+                i = event[1]
                 if event[0] == "text":
-                    text.append(event[1])
+                    texts[i].append(event[2])
+                    entries[i] += event[3]
                 else:
-                    finish, error = event[1], event[2]
+                    finish[i], entries[i] = (event[2], event[3]), entries[i] + event[4]
+                    if event[2] in ("error", "shutdown"):
+                        break
         except asyncio.CancelledError:
-            scheduler.cancel(req)
+            for req in reqs:
+                scheduler.cancel(req)
             raise
-        if finish == "error":
-            raise APIError(500, f"generation failed: {error}", type_="server_error")
-        if finish == "shutdown":
-            raise shutting_down()
-        content = "".join(text)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}
-                  if kind == "chat" else {"index": 0, "text": content, "finish_reason": finish, "logprobs": None})
+        for reason, error in filter(None, finish):
+            if reason in ("error", "shutdown"):
+                for req in reqs:
+                    scheduler.cancel(req)
+                if reason == "error":
+                    raise APIError(500, f"generation failed: {error}", type_="server_error")
+                raise shutting_down()
+        choices = []
+        for i in range(n):
+            content = "".join(texts[i])
+            if kind == "chat":
+                choices.append({"index": i, "message": {"role": "assistant", "content": content},
+                                "logprobs": chat_logprobs(entries[i]) if logprobs is not None else None,
+                                "finish_reason": finish[i][0]})
+            else:
+                choices.append({"index": i, "text": content, "finish_reason": finish[i][0],
+                                "logprobs": completion_logprobs(entries[i], 0) if logprobs is not None else None})
         return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": model_name, "choices": [choice], "usage": usage()}
+                "created": int(time.time()), "model": model_name, "choices": choices, "usage": usage()}
 
-    async def _stream(gen: Generation, req, rid: str, kind: str, usage, include_usage: bool):
+    async def _stream(events: asyncio.Queue, reqs, rid: str, kind: str, usage, include_usage: bool, logprobs: bool,
+                      echo: str):
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        offsets = [len(echo)] * len(reqs)
 
-        def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
+        def chunk(i: int, delta: str | None, finish: str | None, entries=(), first: bool = False) -> str:
             if kind == "chat":
                 d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta is not None else {})
-                choice = {"index": 0, "delta": d, "finish_reason": finish}
+                choice = {"index": i, "delta": d, "logprobs": chat_logprobs(entries) if logprobs and entries else None,
+                          "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+                lp = completion_logprobs(entries, offsets[i]) if logprobs and entries else None
+                offsets[i] += len(delta or "")
+                choice = {"index": i, "text": delta or "", "finish_reason": finish, "logprobs": lp}
             payload = {"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": [choice]}
             if include_usage:
                 payload["usage"] = None
             return f"data: {json.dumps(payload)}\n\n"
 
         try:
-            if kind == "chat":
-                yield chunk(None, None, first=True)
-            while True:
-                event = await gen.events.get()
+            for i in range(len(reqs)):
+                if kind == "chat":
+                    yield chunk(i, None, None, first=True)
+                elif echo:
+                    offsets[i] = 0
+                    yield chunk(i, echo, None)
+            running = len(reqs)
+            while running:
+                event = await events.get()
                 if event[0] == "text":
-                    yield chunk(event[1], None)
+                    yield chunk(event[1], event[2], None, event[3])
                     continue
-                reason, error = event[1], event[2]
+                i, reason, error, entries = event[1:]
                 if reason in ("error", "shutdown"):
                     e = shutting_down() if reason == "shutdown" else None
                     body = (error_body(e.message, e.type, code=e.code) if e else
                             error_body(f"generation failed: {error}", "server_error"))
                     yield f"data: {json.dumps(body)}\n\n"
-                else:
-                    yield chunk(None, reason)
-                    if include_usage:
-                        yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': int(time.time()), 'model': model_name, 'choices': [], 'usage': usage()})}\n\n"
-                yield "data: [DONE]\n\n"
-                return
-        finally:  # the client went away mid-stream (or the stream ended): the slot is freed either way
-            scheduler.cancel(req)
+                    break
+                if entries:  # tokens whose text came with the last flush
+                    yield chunk(i, "" if kind == "completion" else None, None, entries)
+                yield chunk(i, None, reason)
+                running -= 1
+            else:
+                if include_usage:
+                    yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': int(time.time()), 'model': model_name, 'choices': [], 'usage': usage()})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away mid-stream (or the stream ended): the slots are freed either way
+            for req in reqs:
+                scheduler.cancel(req)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):

@@ -255,18 +255,41 @@ class Engine:
             self.cache, chunk, jnp.zeros((self.batch_size, self.config.vocab_size), jnp.float32), mode)
         return logits
 
-    def first_token(self, ds: DecodeState, logits: jax.Array, active: jax.Array, sampling: str = "auto") -> DecodeState:
+    def first_token(self, ds: DecodeState, logits: jax.Array, active: jax.Array, sampling: str = "auto",
+                    logprobs: int = 0):
         """Samples each ``active`` slot's first token from its prefill ``logits``; ``sampling``: the static
-        sampling path (:func:`~minicpm_jax.engine.sampling.sampling_kind`)."""
+        sampling path (:func:`~minicpm_jax.engine.sampling.sampling_kind`). With ``logprobs`` > 0 (plain
+        steps only) returns (state, (the token's log-probability ``f32[B]``, the ``logprobs`` most likely
+        ids ``int32[B, K]`` and their log-probabilities ``f32[B, K]``)), computed from the same logits."""
+        self._check_logprobs(logprobs)
+        if logprobs:
+            return self.steps.first_token(self.cache, ds, logits, active, sampling, logprobs=logprobs)
         return self.steps.first_token(self.cache, ds, logits, active, sampling)
 
-    def decode(self, ds: DecodeState, mode: str | None = None, sampling: str = "auto") -> tuple[DecodeState, jax.Array]:
+    def decode(self, ds: DecodeState, mode: str | None = None, sampling: str = "auto", logprobs: int = 0):
         """One decode block for the live slots; returns (state, tokens ``int32[B, N]``, -1 = none). Without
-        ``mode`` the attention mode comes from the lengths on device (one sync, sparse models only)."""
+        ``mode`` the attention mode comes from the lengths on device (one sync, sparse models only). With
+        ``logprobs`` > 0 (plain steps only) also each token's log-probability and its step's ``logprobs``
+        most likely tokens, from the logits the step sampled from: (state, tokens, (f32[B, N],
+        int32[B, N, K], f32[B, N, K]))."""
+        self._check_logprobs(logprobs)
         if mode is None:
             mode = self.block_mode(ds)
+        if logprobs:
+            self.cache, ds, tokens, lps = self.steps.decode_block(self.cache, ds, mode, sampling, logprobs=logprobs)
+            return ds, tokens, lps
         self.cache, ds, tokens = self.steps.decode_block(self.cache, ds, mode, sampling)
         return ds, tokens
+
+    @property
+    def has_logprobs(self) -> bool:
+        """Whether the steps return log-probabilities (plain decoding; a speculative round does not)."""
+        return isinstance(self.steps, PlainSteps)
+
+    def _check_logprobs(self, logprobs: int) -> None:
+        if logprobs and not self.has_logprobs:
+            raise MiniCPMError("log-probabilities come from plain decoding steps; this engine's steps "
+                               f"({type(self.steps).__name__}) do not return them")
 
     # ---------------------------------------------------------------- attention modes (sparse models)
     def attention_mode(self, lo: int, hi: int) -> str:

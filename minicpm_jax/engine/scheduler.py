@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minicpm_jax.engine.engine import Engine
-from minicpm_jax.engine.sampling import SamplingParams
+from minicpm_jax.engine.sampling import TOP_LOGPROBS, SamplingParams
 from minicpm_jax.engine.stops import FINISH_NAMES, DecodeState, stop_table
 from minicpm_jax.errors import MiniCPMError
 
@@ -63,6 +63,10 @@ class Request:
     (e.g. a stop string was matched). on_finish(finish_reason, error) is called once at the end:
     finish_reason is "stop", "length", "cancelled" (the client went away), "shutdown" (ended by
     :meth:`Scheduler.drain` / :meth:`Scheduler.cancel_all`) or "error" (with the engine's message).
+    logprobs: None, or how many most likely alternatives (0..``TOP_LOGPROBS``) to report with each
+    token's log-probability: ``on_logprobs(entries)`` is then called before each ``on_tokens`` with one
+    ``(logprob, [(id, logprob), ...])`` per new token (computed on device from the logits the token was
+    sampled from; plain decoding only).
     """
 
     prompt_ids: list[int]
@@ -74,6 +78,8 @@ class Request:
     output: list[int] = dataclasses.field(default_factory=list)
     cancelled: bool = False
     end_reason: str = "cancelled"  # the finish reason a cancelled request ends with
+    logprobs: int | None = None
+    on_logprobs: Callable[[list[tuple[float, list[tuple[int, float]]]]], None] | None = None
 
 
 class Scheduler:
@@ -135,6 +141,11 @@ class Scheduler:
         """Queues ``request``; raises QueueFull when ``max_queue`` requests are already waiting."""
         self.check(request.prompt_ids, request.max_new_tokens)
         stop_table([request.stop_ids], 1)  # validates the stop-id count
+        if request.logprobs is not None:
+            if not 0 <= request.logprobs <= TOP_LOGPROBS:
+                raise MiniCPMError(f"logprobs takes 0..{TOP_LOGPROBS} alternatives, got {request.logprobs}")
+            if not self.engine.has_logprobs:
+                raise MiniCPMError("log-probabilities are not available with speculative decoding")
         with self._cv:
             if self._stopping or self._draining:
                 raise Draining("the server is shutting down")
@@ -238,8 +249,9 @@ class Scheduler:
         started = self._prefill()
         decoding = [req is not None and self._fed[slot] == len(req.prompt_ids) for slot, req in enumerate(self.slots)]
         if any(decoding):
-            self._ds, block = self.engine.decode(self._ds)
-            self._pending = (list(self.slots), decoding, block, self._ds.done, self._ds.finish)
+            k = self._logprobs([slot for slot, d in enumerate(decoding) if d])
+            self._ds, block, *lps = self.engine.decode(self._ds, logprobs=k)
+            self._pending = (list(self.slots), decoding, block, self._ds.done, self._ds.finish, lps[0] if k else None)
         if pending is not None:
             self._deliver_block(pending)
         if started is not None:
@@ -301,23 +313,45 @@ class Scheduler:
             mask[slot] = True
             samplings[slot], budgets[slot], stops[slot] = req.sampling, req.max_new_tokens, req.stop_ids
         m = jnp.asarray(mask)
-        self._ds = eng.first_token(start_rows(m, eng.decode_state(samplings, budgets, stops), self._ds), logits, m)
-        return complete, (self._ds.tok, self._ds.done, self._ds.finish)
+        ds = start_rows(m, eng.decode_state(samplings, budgets, stops), self._ds)
+        k = self._logprobs(complete)
+        self._ds, *lps = eng.first_token(ds, logits, m, logprobs=k) if k else (eng.first_token(ds, logits, m),)
+        return complete, (self._ds.tok, self._ds.done, self._ds.finish, lps[0] if k else None)
+
+    def _logprobs(self, slots: list[int]) -> int:
+        """The alternatives a step computes: ``TOP_LOGPROBS`` if a request of ``slots`` asks for any, else 0
+        (two compiled variants of each step, not one per request)."""
+        return TOP_LOGPROBS if any(self.slots[s].logprobs is not None for s in slots) else 0
+
+    @staticmethod
+    def _entries(req: Request, lps, slot: int, steps) -> list | None:
+        """``req``'s log-probability entries for the tokens at ``steps`` of its row."""
+        if lps is None or req.logprobs is None:
+            return None
+        lp, ids, top = lps
+        return [(float(lp[slot][j]), [(int(i), float(v)) for i, v in zip(ids[slot][j][: req.logprobs],
+                                                                         top[slot][j][: req.logprobs])])
+                for j in steps]
 
     def _deliver_first(self, slots: list[int], state) -> None:
-        tok, done, finish = jax.device_get(state)
+        tok, done, finish, lps = jax.device_get(state)
+        if lps is not None:
+            lps = tuple(x[:, None] for x in lps)  # one step
         self._mark_done([slot for slot in slots if self.slots[slot] is not None and self._deliver(
-            slot, self.slots[slot], [int(tok[slot])], bool(done[slot]), int(finish[slot]))])
+            slot, self.slots[slot], [int(tok[slot])], bool(done[slot]), int(finish[slot]),
+            self._entries(self.slots[slot], lps, slot, [0]))])
 
     def _deliver_block(self, pending) -> None:
-        owners, decoding, block, done, finish = pending
-        block, done, finish = jax.device_get((block, done, finish))
+        owners, decoding, block, done, finish, lps = pending
+        block, done, finish, lps = jax.device_get((block, done, finish, lps))
         ended = []
         for slot, req in enumerate(owners):
             # The slot's request when the block was dispatched, if it still runs (not ended by the host since).
             if req is None or not decoding[slot] or self.slots[slot] is not req:
                 continue
-            if self._deliver(slot, req, [int(t) for t in block[slot] if t >= 0], bool(done[slot]), int(finish[slot])):
+            steps = [j for j, t in enumerate(block[slot]) if t >= 0]
+            if self._deliver(slot, req, [int(block[slot][j]) for j in steps], bool(done[slot]), int(finish[slot]),
+                             self._entries(req, lps, slot, steps)):
                 ended.append(slot)
         self._mark_done(ended)
 
@@ -327,9 +361,11 @@ class Scheduler:
             self._finish(slot, self.slots[slot].end_reason)
         self._mark_done(gone)
 
-    def _deliver(self, slot: int, req: Request, toks: list[int], device_done: bool, finish: int) -> bool:
-        """Hands a row's new tokens to its consumer and ends the request if it is over. Returns True when
-        the host ended it (cancelled, or the consumer asked to stop), so the row is marked done on device.
+    def _deliver(self, slot: int, req: Request, toks: list[int], device_done: bool, finish: int,
+                 entries: list | None = None) -> bool:
+        """Hands a row's new tokens (and their log-probability ``entries``) to its consumer and ends the
+        request if it is over. Returns True when the host ended it (cancelled, or the consumer asked to
+        stop), so the row is marked done on device.
 
         A failing consumer cancels its own request only."""
         halt = False
@@ -337,6 +373,8 @@ class Scheduler:
             req.output.extend(toks)
             self.generated_tokens += len(toks)
             try:
+                if entries is not None and req.on_logprobs is not None:
+                    req.on_logprobs(entries)
                 halt = bool(req.on_tokens(toks))
             except Exception:
                 log.exception("on_tokens callback failed; cancelling that request")

@@ -278,3 +278,36 @@ def test_prefill_chunk_pieces_cache_what_a_whole_prefill_does(tiny_ckpt):
         np.testing.assert_allclose(logits[slot], want_logits[slot], rtol=1e-4, atol=1e-4)
     with pytest.raises(MiniCPMError, match="chunk_length"):
         eng.prefill_chunk([a], 17)
+
+
+def test_logprobs_come_from_the_logits_each_step_sampled_from(tiny_ckpt):
+    """first_token / decode with logprobs: each token's log-probability and the 20 most likely tokens of its
+    step equal log_softmax of the logits a fresh forward of the whole sequence gives at that position; the
+    tokens are the ones the steps give without logprobs."""
+    model = load_model(tiny_ckpt[0], dtype=jnp.float32, max_length=MAX_LEN)
+    eng = Engine(model, batch_size=2, chunk_length=16, decode_block=3)
+    prompts = [PROMPT, [5, 6, 7, 8]]
+    samplings = [SamplingParams(), SamplingParams(temperature=0.9, seed=4)]
+    want, _ = eng.generate(prompts, sampling=samplings, max_new_tokens=7)
+    eng.reset()
+    ds = eng.decode_state(samplings, [7, 7], [[], []])
+    ds, (lp, ids, top) = eng.first_token(ds, eng.prefill(prompts), ~ds.done, logprobs=20)
+    tokens, lps = [np.asarray(ds.tok)[:, None]], [(np.asarray(lp)[:, None], np.asarray(ids)[:, None], np.asarray(top)[:, None])]
+    while not bool(np.all(np.asarray(ds.done))):
+        ds, block, (lp, ids, top) = eng.decode(ds, logprobs=20)
+        tokens.append(np.asarray(block))
+        lps.append((np.asarray(lp), np.asarray(ids), np.asarray(top)))
+    tokens = np.concatenate(tokens, 1)
+    lp, ids, top = (np.concatenate(x, 1) for x in zip(*lps))
+    for row, (prompt, res) in enumerate(zip(prompts, want)):
+        got = [int(t) for t in tokens[row] if t >= 0]
+        assert got == res.token_ids
+        seq = jnp.asarray([prompt + got[:-1]], jnp.int32)
+        hidden, _ = model.forward(seq, model.new_cache(1))
+        oracle = np.asarray(jax.nn.log_softmax(model.logits(hidden[0, len(prompt) - 1:]), axis=-1))
+        steps = np.nonzero(tokens[row] >= 0)[0]
+        np.testing.assert_allclose(lp[row, steps], oracle[np.arange(len(got)), got], rtol=1e-4, atol=1e-4)
+        order = np.argsort(-oracle, axis=1)[:, :20]
+        np.testing.assert_array_equal(ids[row, steps][:, :5], order[:, :5])  # ties aside, the top ids
+        np.testing.assert_allclose(top[row, steps], np.take_along_axis(oracle, ids[row, steps], 1), rtol=1e-4, atol=1e-4)
+        assert np.all(np.diff(top[row, steps], axis=1) <= 0)

@@ -178,3 +178,33 @@ def test_a_long_prompt_is_prefilled_in_pieces_between_decode_steps(tiny_model):
         sched.step()
     assert [r.output for r, _ in recs] + [long.output, late_req.output] == want
     assert long_rec["finish"] == "length"
+
+
+def test_logprobs_arrive_with_their_tokens(tiny_model):
+    """A request with logprobs gets one (logprob, top alternatives) entry per token before each on_tokens,
+    the same alone as beside a request without them; greedy tokens are their step's most likely."""
+    def run(batch, specs):
+        sched = Scheduler(Engine(tiny_model, batch_size=batch, chunk_length=16, decode_block=3), prefill_budget=16)
+        out = []
+        for prompt, k in specs:
+            req, rec = _request(prompt, 9)
+            req.logprobs, entries = k, []
+            req.on_logprobs = entries.extend
+            sched.submit(req)
+            out.append((req, entries))
+        while sched.active or sched.queued:
+            sched.step()
+        return out
+
+    (alone, alone_lp), = run(1, [([4, 8, 15, 16], 3)])
+    (other, other_lp), (req, entries) = run(2, [([23, 42], None), ([4, 8, 15, 16], 3)])
+    assert req.output == alone.output and len(entries) == len(req.output) == 9 and not other_lp
+    for (lp, top), (lp1, top1), tok in zip(entries, alone_lp, req.output):
+        assert len(top) == 3 and top[0][0] == tok and abs(top[0][1] - lp) < 1e-6 and lp <= 0
+        assert abs(lp - lp1) < 1e-5 and [i for i, _ in top] == [i for i, _ in top1]
+        assert top[0][1] >= top[1][1] >= top[2][1]
+    with pytest.raises(MiniCPMError, match="logprobs"):
+        bad, _ = _request([1, 2], 3)
+        bad.logprobs = 21
+        Scheduler(Engine(tiny_model, batch_size=1, chunk_length=16)).submit(bad)
+
