@@ -23,7 +23,8 @@ import uvicorn
 from absl import app, flags
 
 from minicpm_jax.cli.flags import (
-    apply_system_flags, fail, load_from_flags, sparse_description, validate_model_flags, weights_description,
+    apply_system_flags, fail, load_from_flags, make_engine, sparse_description, speculative_description,
+    validate_model_flags, weights_description,
 )
 from minicpm_jax.cli.openai_api import access_log
 from minicpm_jax.errors import MiniCPMError
@@ -77,14 +78,10 @@ def _serve() -> None:
     import jax
 
     from minicpm_jax.cli.server_app import create_app
-    from minicpm_jax.engine.engine import Engine
     from minicpm_jax.engine.scheduler import Scheduler
     from minicpm_jax.tokenizer import sampling_defaults, stop_token_ids
 
     validate_model_flags()
-    if FLAGS.draft_path is not None:
-        raise MiniCPMError("the server does not run speculative decoding yet (its continuous batching uses plain "
-                           "decode steps); drop --draft_path, or use `python -m minicpm_jax.run --draft_path ...`")
     if not FLAGS.shutdown_grace_s >= 0:
         raise MiniCPMError(f"--shutdown_grace_s must be >= 0, got {FLAGS.shutdown_grace_s}")
     if FLAGS.prefill_budget < 0:
@@ -102,8 +99,9 @@ def _serve() -> None:
     access_log.propagate = False
     apply_system_flags()
     model_path, model, tokenizer, load_s = load_from_flags(progress=True, batch_size=FLAGS.max_batch_size)
-    decode_block = FLAGS.decode_block if FLAGS["decode_block"].present else SERVER_DECODE_BLOCK
-    engine = Engine(model, batch_size=FLAGS.max_batch_size, chunk_length=FLAGS.chunk_length, decode_block=decode_block)
+    if not FLAGS["decode_block"].present:
+        FLAGS.decode_block = SERVER_DECODE_BLOCK  # make_engine reads it (with a draft: rounds per block)
+    engine = make_engine(model, batch_size=FLAGS.max_batch_size)
     budget = FLAGS.prefill_budget or AUTO_PREFILL_BUDGET.get(jax.default_backend(), ACCELERATOR_PREFILL_BUDGET)
     scheduler = Scheduler(engine, max_queue=FLAGS.max_queue, prefill_budget=min(budget, engine.chunk_length))
     stops = stop_token_ids(model.config, tokenizer, model_path)
@@ -112,8 +110,9 @@ def _serve() -> None:
     name = FLAGS.served_model_name or os.path.basename(os.path.normpath(model_path))
     print(f"minicpm-jax: {name} loaded in {load_s:.1f} s, compiled in {time.perf_counter() - t:.1f} s; "
           f"{FLAGS.max_batch_size} slots × {model.max_length} tokens ({model.attention_impl} attention, "
-          f"{weights_description(model)} weights, sparse attention {sparse_description(model)}; prefill "
-          f"{scheduler.prefill_budget} tokens a step, decode blocks of {decode_block}); serving on http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
+          f"{weights_description(model)} weights, sparse attention {sparse_description(model)}, speculative "
+          f"{speculative_description(engine)}; prefill {scheduler.prefill_budget} tokens a step, decode blocks of "
+          f"{engine.decode_block}); serving on http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
     scheduler.start()
     application = create_app(scheduler, tokenizer, model_name=name, stop_ids=stops, api_key=FLAGS.api_key,
                              max_body_bytes=FLAGS.max_body_bytes, sampling_defaults=sampling_defaults(model_path))

@@ -81,6 +81,7 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
 
     from minicpm_jax.engine.sampling import SamplingParams
     from minicpm_jax.engine.scheduler import Draining, QueueFull, Request
+    from minicpm_jax.engine.speculative.engine import SpeculativeEngine
     from minicpm_jax.tokenizer import encode_prompt
 
     api = FastAPI(title="minicpm-jax", version="1", description=__doc__.split("\n\n")[0])
@@ -126,11 +127,19 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
         return JSONResponse(error_body(message, "invalid_request_error"), status_code=e.status_code,
                             headers=getattr(e, "headers", None))
 
+    speculative = isinstance(scheduler.engine, SpeculativeEngine)
+
     @api.get("/health")
     async def health():
-        return {"status": "ok", "active": scheduler.active, "queued": scheduler.queued,
-                "completed": scheduler.completed, "finished": dict(scheduler.finished),
-                "generated_tokens": scheduler.generated_tokens}
+        out = {"status": "ok", "active": scheduler.active, "queued": scheduler.queued,
+               "completed": scheduler.completed, "finished": dict(scheduler.finished),
+               "generated_tokens": scheduler.generated_tokens, "speculative": speculative}
+        counts = scheduler.accept_counts
+        if counts is not None:  # rounds by tokens emitted, since the start
+            rounds = sum(counts)
+            out["spec_rounds"] = rounds
+            out["spec_mean_accept_length"] = sum(k * c for k, c in enumerate(counts)) / rounds if rounds else 0.0
+        return out
 
     @api.get("/v1/models")
     async def models():

@@ -100,6 +100,13 @@ def allocate_cache(model: MiniCPMForCausalLM, batch_size: int) -> KVCache:
                            "does not fit in the accelerator's memory: lower max_length or the batch size") from None
 
 
+@jax.jit
+def sum_rows(x: jax.Array) -> jax.Array:
+    """``x`` summed over its first axis (jitted: an eager op on an array still being computed blocks the
+    host on the CPU backend)."""
+    return jnp.sum(x, axis=0)
+
+
 def take_rows(cache: KVCache, idx: jax.Array) -> KVCache:
     """The cache of the slots ``idx int32[b]`` alone (a ``b``-row :class:`KVCache`: every buffer has the batch
     on axis 1, ``lengths`` on axis 0)."""
@@ -280,6 +287,19 @@ class Engine:
             return ds, tokens, lps
         self.cache, ds, tokens = self.steps.decode_block(self.cache, ds, mode, sampling)
         return ds, tokens
+
+    def start(self, ds: DecodeState, rows: jax.Array | None = None) -> None:
+        """Decoding begins from ``ds`` (after :meth:`first_token`): for every slot, or only for the slots
+        ``rows bool[B]`` that join a batch already decoding (a speculative step set then queues those rows'
+        first (feature, token) pair for its draft and keeps the other rows' state)."""
+        self.steps.start(ds, rows)
+
+    def accept_counts(self) -> jax.Array | None:
+        """Speculative decoding: rounds by the tokens they emitted (0, 1, ..., A), summed over the slots
+        since decoding began, as a new device array ``int32[A + 1]`` (later steps do not donate it; read it
+        when convenient); None for plain decoding or before the first round."""
+        rounds = None if isinstance(self.steps, PlainSteps) else self.steps.rounds
+        return None if rounds is None else sum_rows(rounds.accepted)
 
     @property
     def has_logprobs(self) -> bool:

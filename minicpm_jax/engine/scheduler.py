@@ -123,6 +123,8 @@ class Scheduler:
         engine.reset()
         self.finished: collections.Counter[str] = collections.Counter()  # requests ended, by finish reason
         self.generated_tokens = 0
+        # Speculative decoding: rounds by the tokens they emitted (0, 1, ..., A) since the start; else None.
+        self.accept_counts: list[int] | None = None
 
     # ------------------------------------------------------------------ client side (any thread)
     def check(self, prompt_ids: list[int], max_new_tokens: int) -> None:
@@ -251,7 +253,8 @@ class Scheduler:
         if any(decoding):
             k = self._logprobs([slot for slot, d in enumerate(decoding) if d])
             self._ds, block, *lps = self.engine.decode(self._ds, logprobs=k)
-            self._pending = (list(self.slots), decoding, block, self._ds.done, self._ds.finish, lps[0] if k else None)
+            self._pending = (list(self.slots), decoding, block, self._ds.done, self._ds.finish, lps[0] if k else None,
+                             self.engine.accept_counts())
         if pending is not None:
             self._deliver_block(pending)
         if started is not None:
@@ -316,6 +319,7 @@ class Scheduler:
         ds = start_rows(m, eng.decode_state(samplings, budgets, stops), self._ds)
         k = self._logprobs(complete)
         self._ds, *lps = eng.first_token(ds, logits, m, logprobs=k) if k else (eng.first_token(ds, logits, m),)
+        eng.start(self._ds, m)
         return complete, (self._ds.tok, self._ds.done, self._ds.finish, lps[0] if k else None)
 
     def _logprobs(self, slots: list[int]) -> int:
@@ -342,8 +346,10 @@ class Scheduler:
             self._entries(self.slots[slot], lps, slot, [0]))])
 
     def _deliver_block(self, pending) -> None:
-        owners, decoding, block, done, finish, lps = pending
-        block, done, finish, lps = jax.device_get((block, done, finish, lps))
+        owners, decoding, block, done, finish, lps, accepted = pending
+        block, done, finish, lps, accepted = jax.device_get((block, done, finish, lps, accepted))
+        if accepted is not None:
+            self.accept_counts = [int(x) for x in accepted]
         ended = []
         for slot, req in enumerate(owners):
             # The slot's request when the block was dispatched, if it still runs (not ended by the host since).

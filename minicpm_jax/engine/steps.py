@@ -171,8 +171,9 @@ class PlainSteps:
         args = (ds, logits, active, cache.lengths)
         return self.compiled("first", None, *args, sampling=sampling, logprobs=logprobs)
 
-    def start(self, ds: DecodeState) -> None:
-        """A decode loop begins from ``ds`` (plain decoding needs nothing)."""
+    def start(self, ds: DecodeState, rows: jax.Array | None = None) -> None:
+        """Decoding begins from ``ds`` for every row, or for the rows ``bool[B]`` joining a running batch
+        (plain decoding needs nothing)."""
 
     def decode_block(self, cache: KVCache, ds: DecodeState, mode: str, sampling: str = "auto", logprobs: int = 0):
         """One decode block; returns (cache, state, tokens ``int32[B, decode_block]``, -1 = none), and the

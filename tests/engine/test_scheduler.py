@@ -208,3 +208,61 @@ def test_logprobs_arrive_with_their_tokens(tiny_model):
         bad.logprobs = 21
         Scheduler(Engine(tiny_model, batch_size=1, chunk_length=16)).submit(bad)
 
+
+def _bigram_pair(vocab=24, max_length=96):
+    """A target whose next token mostly follows the current one and an EAGLE draft that predicts that
+    bigram (as tests/engine/test_speculative.py builds it), so speculative rounds often emit several tokens."""
+    from minicpm_jax.config import DraftSpec
+    from minicpm_jax.model.draft import EagleDraft
+
+    cfg = ModelConfig.from_dict(tiny_minicpm_config(vocab_size=vocab))
+    model = MiniCPMForCausalLM(cfg, max_length=max_length, attention_impl="xla", dtype=jnp.float32, rngs=nnx.Rngs(0))
+    gd, state = nnx.split(model)
+    flat = dict(nnx.to_flat_state(state))
+    for path, var in flat.items():
+        name = ".".join(map(str, path))
+        var.set_value(var[...] * (60.0 if "embed_tokens" in name or "lm_head" in name else 3.0 if "layers" in name else 1.0))
+    model = nnx.merge(gd, nnx.from_flat_state(flat))
+    draft = EagleDraft(DraftSpec.for_target(cfg), max_length=max_length, attention_impl="xla", dtype=jnp.float32,
+                       rngs=nnx.Rngs(1))
+    h = cfg.hidden_size
+    draft.fc.kernel.set_value(jnp.concatenate([jnp.eye(h), jnp.zeros((h, h))], axis=0) * 4.0)
+    for lin in (draft.self_attn.o_proj, draft.mlp.down_proj):
+        lin.kernel.set_value(lin.kernel[...] * 0.05)
+    return model, draft
+
+
+def test_speculative_rounds_with_continuous_batching_give_plain_greedy_tokens():
+    """A speculative engine behind the scheduler: requests joining at different times, one prompt read in
+    pieces while others run speculative rounds, give exactly the plain greedy tokens; a round emits its
+    accepted tokens together (blocks of several tokens), as many per round as alone."""
+    from minicpm_jax.engine.speculative.engine import SpeculativeEngine
+    from minicpm_jax.engine.speculative.rounds import SpecConfig
+
+    model, draft = _bigram_pair()
+    prompts = [[3, 7, 9, 11, 4], [5, 6, 7, 8, 9, 10, 11, 12, 13], list(np.arange(40) % 20 + 2), [2, 3], [9, 1, 4]]
+    budgets = [30, 25, 20, 12, 18]
+    plain = Engine(model, batch_size=1, chunk_length=16)
+    want = [plain.generate([p], max_new_tokens=n)[0][0].token_ids for p, n in zip(prompts, budgets)]
+    tree = SpecConfig(num_iter=3, topk_per_iter=4, tree_size=10)
+    solo = SpeculativeEngine(model, draft, spec=tree, chunk_length=16, decode_block=1)
+    solo_counts = sum(np.asarray(solo.generate([p], max_new_tokens=n)[1].spec_accepted) for p, n in zip(prompts, budgets))
+    spec = SpeculativeEngine(model, draft, spec=tree, batch_size=3, chunk_length=16, decode_block=1)
+    assert not spec.has_logprobs
+    sched = Scheduler(spec, prefill_budget=8)
+    reqs = [_request(p, n) for p, n in zip(prompts, budgets)]
+    for req, _ in reqs[:2]:
+        sched.submit(req)
+    pending, steps = reqs[2:], 0
+    while pending or sched.active or sched.queued:
+        sched.step()
+        steps += 1
+        if pending and steps % 3 == 0:
+            sched.submit(pending.pop(0)[0])
+        assert steps < 400
+    assert [r.output for r, _ in reqs] == want
+    blocks = [len(b) for _, rec in reqs for b in rec["blocks"]]
+    assert max(blocks) > 1  # accepted drafts: several tokens a round
+    # The draft saw each row's pairs as it does alone (its state per row: pending pairs of rows joining a
+    # running batch, a reused slot's pairs forgotten), so every round accepted what it accepts alone.
+    assert list(np.asarray(spec.accept_counts())) == list(solo_counts) and sched.accept_counts == list(solo_counts)
