@@ -140,6 +140,7 @@ class Client:
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     event = json.loads(line[6:])
+                    rec.setdefault("id", event.get("id"))
                     if "error" in event:
                         rec["error"] = event["error"].get("message")
                     if event.get("usage"):
@@ -210,6 +211,7 @@ def run_level(client: Client, concurrency: int, requests: int, prompt_tokens: in
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
         "e2e_p50_s": percentile([r["done"] - r["sent"] for r in ok], 50), "arrival_spread_s": spread_s,
+        "ttfts_s": sorted(ttft), "ids": [r.get("id") for r in ok],
     }
 
 

@@ -167,7 +167,9 @@ class APIKeyCheck:
 class AccessLog:
     """ASGI middleware: one line per request on :data:`access_log` once its response has ended (a stream
     at its last chunk, or when the client left): method, path, status, request id, prompt / completion
-    tokens and latency. Routes put ``rid`` and ``usage`` (a callable) in the request's state."""
+    tokens, latency and, for a generation, the time to its first token (arrival to the first token handed
+    to the request, server side). Routes put ``rid``, ``usage`` and ``first_token`` (callables) in the
+    request's state; ``t0`` is the arrival."""
 
     def __init__(self, app):
         self.app = app
@@ -178,15 +180,18 @@ class AccessLog:
             return await self.app(scope, receive, send)
         t0, status, logged = time.perf_counter(), None, False
         state = scope.setdefault("state", {})
+        state["t0"] = t0  # the request's arrival: routes measure their time to first token from it
 
         def log() -> None:
             nonlocal logged
             logged = True
             usage = state["usage"]() if "usage" in state else {}
             level = logging.DEBUG if scope["path"] == "/health" else logging.INFO  # probes would drown the rest
-            access_log.log(level, "%s %s %s %s prompt_tokens=%s completion_tokens=%s %.3fs", scope["method"], scope["path"],
-                            status or "-", state.get("rid", "-"), usage.get("prompt_tokens", "-"),
-                            usage.get("completion_tokens", "-"), time.perf_counter() - t0)
+            first = state["first_token"]() if "first_token" in state else None
+            access_log.log(level, "%s %s %s %s prompt_tokens=%s completion_tokens=%s %.3fs%s", scope["method"],
+                           scope["path"], status or "-", state.get("rid", "-"), usage.get("prompt_tokens", "-"),
+                           usage.get("completion_tokens", "-"), time.perf_counter() - t0,
+                           "" if first is None else f" ttft={first - t0:.3f}s")
 
         async def logged_send(message):
             nonlocal status

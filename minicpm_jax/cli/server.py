@@ -98,7 +98,9 @@ def _serve() -> None:
     access_log.setLevel(FLAGS.log_level.upper())
     access_log.propagate = False
     apply_system_flags()
-    model_path, model, tokenizer, load_s = load_from_flags(progress=True, batch_size=FLAGS.max_batch_size)
+    # Sized for one row more than the slots: a prompt piece of one slot runs in a copy of that slot's K/V
+    # (Engine.prefill_chunk), the scratch the memory plan must leave room for (--max_length auto).
+    model_path, model, tokenizer, load_s = load_from_flags(progress=True, batch_size=FLAGS.max_batch_size + 1)
     if not FLAGS["decode_block"].present:
         FLAGS.decode_block = SERVER_DECODE_BLOCK  # make_engine reads it (with a draft: rounds per block)
     engine = make_engine(model, batch_size=FLAGS.max_batch_size)

@@ -39,6 +39,7 @@ class Generation:
         self.entries: list[tuple] = []
         self.sent = 0
         self.incoming = None
+        self.first_token_at: float | None = None  # time.perf_counter() when the first token arrived
 
     def _put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
@@ -53,6 +54,8 @@ class Generation:
         self.incoming = entries  # for the ids of the next on_tokens
 
     def on_tokens(self, ids: list[int]) -> bool:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
         if self.incoming is not None:
             self.entries += [(i, lp, top) for i, (lp, top) in zip(ids, self.incoming)]
             self.incoming = None
@@ -231,6 +234,7 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
         done = lambda: sum(g.text.tokens for g in gens)
         usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": done(), "total_tokens": len(ids) + done()}
         http.state.rid, http.state.usage = rid, usage
+        http.state.first_token = lambda: min((g.first_token_at for g in gens if g.first_token_at), default=None)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(events, reqs, rid, kind, usage, include_usage, logprobs is not None, echo),
