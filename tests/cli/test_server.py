@@ -319,13 +319,13 @@ def test_sigterm_drains_then_exits_0(smollm2_dir):
     import threading
 
     s = Server("--max_batch_size", "2", "--max_queue", "4", "--max_length", "512", "--decode_block", "4",
-               "--shutdown_grace_s", "8")
+               "--shutdown_grace_s", "4")  # the long stream needs > 6 s, the short one < 1 s
     try:
         short_alone = _sse(s, "Say hello.", 24)  # also compiles the steps
         results = {}
         threads = [threading.Thread(target=lambda: results.setdefault("short", _sse(s, "Say hello.", 24))),
-                   threading.Thread(target=lambda: results.setdefault("long", _sse(
-                       s, "Count from 1 to 1000, separated by commas.", 450)))]
+                   threading.Thread(target=lambda: results.setdefault("long", _sse(  # 450 tokens, > the grace
+                       s, "Count from 1 to 1000, separated by commas.", 450, ignore_eos=True)))]
         for t in threads:
             t.start()
         deadline = time.time() + 120
