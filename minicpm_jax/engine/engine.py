@@ -110,6 +110,13 @@ def allocate_cache(model: MiniCPMForCausalLM, batch_size: int) -> KVCache:
                            "does not fit in the accelerator's memory: lower max_length or the batch size") from None
 
 
+@jax.jit
+def sum_rows(x: jax.Array) -> jax.Array:
+    """``x`` summed over its first axis (jitted: an eager op on an array still being computed blocks the
+    host on the CPU backend)."""
+    return jnp.sum(x, axis=0)
+
+
 class Engine:
     """Batched generation over one model and one static cache.
 
@@ -201,18 +208,93 @@ class Engine:
                 on_progress(min(begin + c, total), total)
         return logits
 
-    def first_token(self, ds: DecodeState, logits: jax.Array, active: jax.Array, sampling: str = "auto") -> DecodeState:
+    def chunk_size(self, tokens: int) -> int:
+        """The compiled chunk width a prefill of ``tokens`` tokens per row runs in: the next power of two,
+        at least ``MIN_CHUNK`` (few compiled shapes, little padding), at most ``chunk_length``."""
+        return min(self.chunk_length, max(MIN_CHUNK, 1 << (max(tokens, 1) - 1).bit_length()))
+
+    def prefill_chunk(self, rows: Sequence[Sequence[int]], size: int) -> jax.Array:
+        """One prefill step: appends the first ``min(size, len(rows[i]))`` tokens of ``rows[i]`` to slot
+        i's cached tokens (empty rows are left as they are), in one forward of
+        ``chunk_size(longest piece)`` tokens per row; ``size`` is at most ``chunk_length``.
+
+        rows: what is left of each slot's prompt; past the piece it is only read as lookahead (the token
+        after the piece, which a speculative draft pairs with the piece's last feature), so a prompt fed
+        as consecutive pieces (``rows[i][size:]`` next time) caches what :meth:`prefill` of the whole
+        prompt would. With one non-empty row and plain steps the forward runs over that slot alone (its
+        cache rows taken out and put back: the cost of one row, not of ``batch_size``); otherwise over
+        every slot with the others masked, as :meth:`prefill` does. This is how a server interleaves a
+        long prompt with the decode steps of running rows. Returns each slot's last-piece-token logits
+        ``f32[B, V]`` (zeros for empty rows)."""
+        if not 1 <= size <= self.chunk_length:
+            raise MiniCPMError(f"a prefill piece takes 1..{self.chunk_length} tokens (chunk_length), got {size}")
+        rows = [list(r) for r in rows] + [[]] * (self.batch_size - len(rows))
+        take = [min(size, len(r)) for r in rows]
+        live = [i for i, n in enumerate(take) if n]
+        if not live:
+            return jnp.zeros((self.batch_size, self.config.vocab_size), jnp.float32)
+        c = self.chunk_size(max(take))
+        pieces = PrefillChunk.of([r[:n] for r, n in zip(rows, take)], 0, c, self.batch_size)
+        following = PrefillChunk.of([r[1 : n + 1] for r, n in zip(rows, take)], 0, c, self.batch_size)
+        chunk = dataclasses.replace(pieces, next_tokens=following.tokens, next_valid=following.num_valid)
+        mode = self.chunk_mode(self.cache_lengths() if self.model.sparse_active else None, chunk)
+        # One prompt among many: plain steps run it over that row's cache alone; step sets that keep state
+        # per row beside the cache (speculative) run every row, the rest masked.
+        if len(live) == 1 and self.steps.prefills_rows and self.batch_size > 1:
+            self.cache, logits = self.steps.prefill_rows(self.cache, np.asarray(live, np.int32), chunk, mode)
+            return logits
+        self.cache, logits = self.steps.prefill_chunk(
+            self.cache, chunk, jnp.zeros((self.batch_size, self.config.vocab_size), jnp.float32), mode)
+        return logits
+
+    def first_token(self, ds: DecodeState, logits: jax.Array, active: jax.Array, sampling: str = "auto",
+                    logprobs: int = 0):
         """Samples each ``active`` slot's first token from its prefill ``logits``; ``sampling``: the static
-        sampling path (:func:`~minicpm_jax.engine.sampling.sampling_kind`)."""
+        sampling path (:func:`~minicpm_jax.engine.sampling.sampling_kind`). With ``logprobs`` > 0 (plain
+        steps only) returns (state, (the token's log-probability ``f32[B]``, the ``logprobs`` most likely
+        ids ``int32[B, K]`` and their log-probabilities ``f32[B, K]``)), computed from the same logits."""
+        self._check_logprobs(logprobs)
+        if logprobs:
+            return self.steps.first_token(self.cache, ds, logits, active, sampling, logprobs=logprobs)
         return self.steps.first_token(self.cache, ds, logits, active, sampling)
 
-    def decode(self, ds: DecodeState, mode: str | None = None, sampling: str = "auto") -> tuple[DecodeState, jax.Array]:
+    def decode(self, ds: DecodeState, mode: str | None = None, sampling: str = "auto", logprobs: int = 0):
         """One decode block for the live slots; returns (state, tokens ``int32[B, N]``, -1 = none). Without
-        ``mode`` the attention mode comes from the lengths on device (one sync, sparse models only)."""
+        ``mode`` the attention mode comes from the lengths on device (one sync, sparse models only). With
+        ``logprobs`` > 0 (plain steps only) also each token's log-probability and its step's ``logprobs``
+        most likely tokens, from the logits the step sampled from: (state, tokens, (f32[B, N],
+        int32[B, N, K], f32[B, N, K]))."""
+        self._check_logprobs(logprobs)
         if mode is None:
             mode = self.block_mode(ds)
+        if logprobs:
+            self.cache, ds, tokens, lps = self.steps.decode_block(self.cache, ds, mode, sampling, logprobs=logprobs)
+            return ds, tokens, lps
         self.cache, ds, tokens = self.steps.decode_block(self.cache, ds, mode, sampling)
         return ds, tokens
+
+    def start(self, ds: DecodeState, rows: jax.Array | None = None) -> None:
+        """Decoding begins from ``ds`` (after :meth:`first_token`): for every slot, or only for the slots
+        ``rows bool[B]`` that join a batch already decoding (a speculative step set then queues those rows'
+        first (feature, token) pair for its draft and keeps the other rows' state)."""
+        self.steps.start(ds, rows)
+
+    def accept_counts(self) -> jax.Array | None:
+        """Speculative decoding: rounds by the tokens they emitted (0, 1, ..., A), summed over the slots
+        since decoding began, as a new device array ``int32[A + 1]`` (later steps do not donate it; read it
+        when convenient); None for plain decoding or before the first round."""
+        rounds = None if isinstance(self.steps, PlainSteps) else self.steps.rounds
+        return None if rounds is None else sum_rows(rounds.accepted)
+
+    @property
+    def has_logprobs(self) -> bool:
+        """Whether the steps return log-probabilities (plain decoding; a speculative round does not)."""
+        return isinstance(self.steps, PlainSteps)
+
+    def _check_logprobs(self, logprobs: int) -> None:
+        if logprobs and not self.has_logprobs:
+            raise MiniCPMError("log-probabilities come from plain decoding steps; this engine's steps "
+                               f"({type(self.steps).__name__}) do not return them")
 
     # ---------------------------------------------------------------- attention modes (sparse models)
     def attention_mode(self, lo: int, hi: int) -> str:

@@ -37,6 +37,7 @@ class SamplingParams:
 
 
 SAMPLING_KINDS = ("auto", "greedy", "temperature", "filtered")
+TOP_LOGPROBS = 20  # alternatives a step returns when log-probabilities are asked for (OpenAI's top_logprobs limit)
 
 
 def sampling_kind(params) -> str:
@@ -107,3 +108,13 @@ def sample(
     step_keys = jax.vmap(jax.random.fold_in)(keys, steps)
     drawn = jax.vmap(jax.random.categorical)(step_keys, scaled).astype(jnp.int32)
     return jnp.where(stochastic, drawn, greedy)
+
+
+def token_logprobs(logits: jax.Array, tok: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probabilities under the model's distribution ``softmax(logits)`` (before temperature and filters,
+    as vLLM reports them): of the chosen ``tok int32[B]`` (``f32[B]``), and the ``k`` most likely tokens
+    (ids ``int32[B, k]`` and ``f32[B, k]``, most likely first). logits ``f32[B, V]``."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, tok[:, None], axis=1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(lp, k)
+    return chosen, top_ids.astype(jnp.int32), top_lp

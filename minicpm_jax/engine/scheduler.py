@@ -1,10 +1,13 @@
 """Continuous batching over an :class:`~minicpm_jax.engine.engine.Engine`'s static slots, for serving.
 
-Requests wait in a bounded queue. Between decode blocks, queued requests are admitted into free slots:
-their prompts are prefilled (the other rows are untouched: their chunk tokens are masked out) and their
-first token sampled, then every active row advances together by one decode block on device. A row that
-finishes (stop id, token budget, full cache), is stopped by its consumer (a stop string) or is cancelled
-(client gone) frees its slot for the next queued request at once.
+Requests wait in a bounded queue. The scheduler works in steps (a server runs them back to back): each
+step admits queued requests into the free slots, prefills one chunk of the prompts waiting to start
+under a token budget (a long prompt goes in pieces over several steps; its slot alone is computed, the
+other rows keep their state) and samples the first token of the prompts it completes, then advances
+every running row by one decode block on device. So a long prompt slows the running rows by a chunk per
+step instead of stopping them until it is all read (vLLM's chunked prefill, llama.cpp's n_batch). A row
+that finishes (stop id, token budget, full cache), is stopped by its consumer (a stop string) or is
+cancelled (client gone) frees its slot for the next queued request at the next step.
 
 Each row's numbers are independent of the other rows (per-row attention, sampling keys per request), so
 a request gives the same tokens whether it runs alone or joins a busy batch (checked in the tests).
@@ -24,11 +27,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from minicpm_jax.engine.engine import Engine
-from minicpm_jax.engine.sampling import SamplingParams
-from minicpm_jax.engine.stops import FINISH_NAMES, stop_table
+from minicpm_jax.engine.sampling import TOP_LOGPROBS, SamplingParams
+from minicpm_jax.engine.stops import FINISH_NAMES, DecodeState, stop_table
 from minicpm_jax.errors import MiniCPMError
 
 log = logging.getLogger(__name__)
+
+
+@jax.jit
+def start_rows(mask: jax.Array, fresh: DecodeState, state: DecodeState) -> DecodeState:
+    """``state`` with the rows ``mask bool[B]`` taken from ``fresh``. Jitted: an eager op on a state still
+    being computed blocks the host on the CPU backend until the device queue drains."""
+    return jax.tree.map(lambda new, old: jnp.where(mask.reshape((-1,) + (1,) * (new.ndim - 1)), new, old), fresh, state)
+
+
+@jax.jit
+def end_rows(mask: jax.Array, state: DecodeState) -> DecodeState:
+    """``state`` with the rows ``mask bool[B]`` marked done (jitted, see :func:`start_rows`)."""
+    return dataclasses.replace(state, done=state.done | mask)
 
 
 class QueueFull(MiniCPMError):
@@ -47,6 +63,10 @@ class Request:
     (e.g. a stop string was matched). on_finish(finish_reason, error) is called once at the end:
     finish_reason is "stop", "length", "cancelled" (the client went away), "shutdown" (ended by
     :meth:`Scheduler.drain` / :meth:`Scheduler.cancel_all`) or "error" (with the engine's message).
+    logprobs: None, or how many most likely alternatives (0..``TOP_LOGPROBS``) to report with each
+    token's log-probability: ``on_logprobs(entries)`` is then called before each ``on_tokens`` with one
+    ``(logprob, [(id, logprob), ...])`` per new token (computed on device from the logits the token was
+    sampled from; plain decoding only).
     """
 
     prompt_ids: list[int]
@@ -58,23 +78,42 @@ class Request:
     output: list[int] = dataclasses.field(default_factory=list)
     cancelled: bool = False
     end_reason: str = "cancelled"  # the finish reason a cancelled request ends with
+    logprobs: int | None = None
+    on_logprobs: Callable[[list[tuple[float, list[tuple[int, float]]]]], None] | None = None
 
 
 class Scheduler:
-    """Admits queued requests into the engine's free slots between decode blocks (on its own thread).
+    """Schedules the engine's slots step by step, on its own thread: each step admits queued requests into
+    free slots, runs one prefill chunk of the prompts waiting to start (at most ``prefill_budget`` prompt
+    tokens, oldest first) and one decode block of the running rows.
 
     Args:
       engine: the engine whose batch slots, cache and compiled steps are used (owned by the scheduler
         from now on; do not call ``engine.generate`` concurrently).
       max_queue: requests allowed to wait for a slot; ``submit`` raises :class:`QueueFull` beyond it.
+      prefill_budget: prompt tokens prefilled per step (default ``engine.chunk_length``). A longer prompt
+        is fed in pieces of this many tokens (at most ``chunk_length``), one piece per step, so running
+        rows advance a decode block between pieces instead of waiting for the whole prompt; shorter
+        prompts share a step while their pieces fit the budget (and run in the same chunk width).
+        Piece boundaries depend on the prompt alone, so a prompt is computed the same way whatever else
+        runs.
     """
 
-    def __init__(self, engine: Engine, max_queue: int = 64):
+    def __init__(self, engine: Engine, max_queue: int = 64, prefill_budget: int | None = None):
         if max_queue < 0:
             raise MiniCPMError(f"max_queue must be >= 0, got {max_queue}")
+        budget = engine.chunk_length if prefill_budget is None else prefill_budget
+        if budget < 1:
+            raise MiniCPMError(f"prefill_budget must be >= 1, got {budget}")
         self.engine = engine
         self.max_queue = max_queue
+        self.prefill_budget = budget
+        self.piece = min(budget, engine.chunk_length)  # tokens of one prompt per step
         self.slots: list[Request | None] = [None] * engine.batch_size
+        self._fed = [0] * engine.batch_size  # prompt tokens of each slot's request in the cache
+        self._admitted = [0] * engine.batch_size  # admission order (oldest prompt first)
+        self._admissions = 0
+        self._pending = None  # the decode block in flight: read during the next step
         self._queue: collections.deque[Request] = collections.deque()
         self._cv = threading.Condition()
         self._stopping = False
@@ -84,6 +123,8 @@ class Scheduler:
         engine.reset()
         self.finished: collections.Counter[str] = collections.Counter()  # requests ended, by finish reason
         self.generated_tokens = 0
+        # Speculative decoding: rounds by the tokens they emitted (0, 1, ..., A) since the start; else None.
+        self.accept_counts: list[int] | None = None
 
     # ------------------------------------------------------------------ client side (any thread)
     def check(self, prompt_ids: list[int], max_new_tokens: int) -> None:
@@ -102,6 +143,11 @@ class Scheduler:
         """Queues ``request``; raises QueueFull when ``max_queue`` requests are already waiting."""
         self.check(request.prompt_ids, request.max_new_tokens)
         stop_table([request.stop_ids], 1)  # validates the stop-id count
+        if request.logprobs is not None:
+            if not 0 <= request.logprobs <= TOP_LOGPROBS:
+                raise MiniCPMError(f"logprobs takes 0..{TOP_LOGPROBS} alternatives, got {request.logprobs}")
+            if not self.engine.has_logprobs:
+                raise MiniCPMError("log-probabilities are not available with speculative decoding")
         with self._cv:
             if self._stopping or self._draining:
                 raise Draining("the server is shutting down")
@@ -172,6 +218,8 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cv:
+                if not self._queue and self.active == 0:
+                    self._pending = None  # its rows have all ended
                 while not self._stopping and not self._queue and self.active == 0:
                     self._cv.wait()
                 if self._stopping:
@@ -189,14 +237,30 @@ class Scheduler:
             req.on_finish("cancelled", None)
 
     def step(self) -> None:
-        """Admits what fits, then runs one decode block for the active rows."""
+        """One scheduling step: wait for the decode block in flight, admit into free slots, end cancelled
+        requests, dispatch one prefill chunk (first tokens for the prompts it completes) and the next
+        decode block of the running rows, then hand out the finished block's tokens and the new first
+        tokens while the device runs the next block. A request that arrives during a block is prefilled
+        right after it; a host-side stop (stop string, cancellation) takes effect a block later (the
+        extra tokens are dropped)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            jax.block_until_ready(pending[2])
         self._admit()
         self._drop_cancelled()
-        if self.active:
-            self._decode()
+        started = self._prefill()
+        decoding = [req is not None and self._fed[slot] == len(req.prompt_ids) for slot, req in enumerate(self.slots)]
+        if any(decoding):
+            k = self._logprobs([slot for slot, d in enumerate(decoding) if d])
+            self._ds, block, *lps = self.engine.decode(self._ds, logprobs=k)
+            self._pending = (list(self.slots), decoding, block, self._ds.done, self._ds.finish, lps[0] if k else None,
+                             self.engine.accept_counts())
+        if pending is not None:
+            self._deliver_block(pending)
+        if started is not None:
+            self._deliver_first(*started)
 
     def _admit(self) -> None:
-        eng = self.engine
         with self._cv:
             free = [i for i, r in enumerate(self.slots) if r is None]
             taken: list[tuple[int, Request]] = []
@@ -209,24 +273,93 @@ class Scheduler:
                 taken.append((free.pop(0), req))
         if not taken:
             return
-        mask = np.zeros(eng.batch_size, bool)
-        rows: list[list[int]] = [[] for _ in range(eng.batch_size)]
-        samplings = [SamplingParams()] * eng.batch_size
-        budgets, stops = [1] * eng.batch_size, [[] for _ in range(eng.batch_size)]
+        mask = np.zeros(self.engine.batch_size, bool)
         for slot, req in taken:
             mask[slot] = True
-            rows[slot] = req.prompt_ids
+            self.slots[slot], self._fed[slot] = req, 0
+            self._admissions += 1
+            self._admitted[slot] = self._admissions
+        self.engine.reset(mask)
+
+    def _prefill(self):
+        """Dispatches one prefill chunk: the oldest waiting prompt's next piece, and the next pieces of
+        younger ones that fit the budget and the same chunk width. Prompts it completes get their first
+        token sampled; returns (their slots, the state holding those tokens), or None."""
+        eng = self.engine
+        waiting = sorted((slot for slot, req in enumerate(self.slots)
+                          if req is not None and self._fed[slot] < len(req.prompt_ids)), key=self._admitted.__getitem__)
+        if not waiting:
+            return None
+        rows: list[list[int]] = [[] for _ in range(eng.batch_size)]
+        width, used = None, 0
+        for slot in waiting:
+            rest = self.slots[slot].prompt_ids[self._fed[slot]:]
+            n = min(self.piece, len(rest))
+            if width is not None and (used + n > self.prefill_budget or eng.chunk_size(n) != width):
+                continue
+            width, used = eng.chunk_size(n), used + n
+            rows[slot] = rest
+        logits = eng.prefill_chunk(rows, self.piece)
+        complete = []
+        for slot, rest in enumerate(rows):
+            if rest:
+                self._fed[slot] += min(self.piece, len(rest))
+                if self._fed[slot] == len(self.slots[slot].prompt_ids):
+                    complete.append(slot)
+        if not complete:
+            return None
+        mask = np.zeros(eng.batch_size, bool)
+        samplings = [SamplingParams()] * eng.batch_size
+        budgets, stops = [1] * eng.batch_size, [[] for _ in range(eng.batch_size)]
+        for slot in complete:
+            req = self.slots[slot]
+            mask[slot] = True
             samplings[slot], budgets[slot], stops[slot] = req.sampling, req.max_new_tokens, req.stop_ids
-            self.slots[slot] = req
         m = jnp.asarray(mask)
-        eng.reset(mask)
-        logits = eng.prefill(rows)
-        fresh = eng.decode_state(samplings, budgets, stops)
-        ds = jax.tree.map(lambda new, old: jnp.where(m.reshape((-1,) + (1,) * (new.ndim - 1)), new, old), fresh, self._ds)
-        self._ds = eng.first_token(ds, logits, m)
-        tok, done, finish = jax.device_get((self._ds.tok, self._ds.done, self._ds.finish))
-        self._mark_done([slot for slot, req in taken
-                         if self._deliver(slot, req, [int(tok[slot])], bool(done[slot]), int(finish[slot]))])
+        ds = start_rows(m, eng.decode_state(samplings, budgets, stops), self._ds)
+        k = self._logprobs(complete)
+        self._ds, *lps = eng.first_token(ds, logits, m, logprobs=k) if k else (eng.first_token(ds, logits, m),)
+        eng.start(self._ds, m)
+        return complete, (self._ds.tok, self._ds.done, self._ds.finish, lps[0] if k else None)
+
+    def _logprobs(self, slots: list[int]) -> int:
+        """The alternatives a step computes: ``TOP_LOGPROBS`` if a request of ``slots`` asks for any, else 0
+        (two compiled variants of each step, not one per request)."""
+        return TOP_LOGPROBS if any(self.slots[s].logprobs is not None for s in slots) else 0
+
+    @staticmethod
+    def _entries(req: Request, lps, slot: int, steps) -> list | None:
+        """``req``'s log-probability entries for the tokens at ``steps`` of its row."""
+        if lps is None or req.logprobs is None:
+            return None
+        lp, ids, top = lps
+        return [(float(lp[slot][j]), [(int(i), float(v)) for i, v in zip(ids[slot][j][: req.logprobs],
+                                                                         top[slot][j][: req.logprobs])])
+                for j in steps]
+
+    def _deliver_first(self, slots: list[int], state) -> None:
+        tok, done, finish, lps = jax.device_get(state)
+        if lps is not None:
+            lps = tuple(x[:, None] for x in lps)  # one step
+        self._mark_done([slot for slot in slots if self.slots[slot] is not None and self._deliver(
+            slot, self.slots[slot], [int(tok[slot])], bool(done[slot]), int(finish[slot]),
+            self._entries(self.slots[slot], lps, slot, [0]))])
+
+    def _deliver_block(self, pending) -> None:
+        owners, decoding, block, done, finish, lps, accepted = pending
+        block, done, finish, lps, accepted = jax.device_get((block, done, finish, lps, accepted))
+        if accepted is not None:
+            self.accept_counts = [int(x) for x in accepted]
+        ended = []
+        for slot, req in enumerate(owners):
+            # The slot's request when the block was dispatched, if it still runs (not ended by the host since).
+            if req is None or not decoding[slot] or self.slots[slot] is not req:
+                continue
+            steps = [j for j, t in enumerate(block[slot]) if t >= 0]
+            if self._deliver(slot, req, [int(block[slot][j]) for j in steps], bool(done[slot]), int(finish[slot]),
+                             self._entries(req, lps, slot, steps)):
+                ended.append(slot)
+        self._mark_done(ended)
 
     def _drop_cancelled(self) -> None:
         gone = [slot for slot, req in enumerate(self.slots) if req is not None and req.cancelled]
@@ -234,15 +367,11 @@ class Scheduler:
             self._finish(slot, self.slots[slot].end_reason)
         self._mark_done(gone)
 
-    def _decode(self) -> None:
-        self._ds, block = self.engine.decode(self._ds)
-        block, done, finish = jax.device_get((block, self._ds.done, self._ds.finish))
-        self._mark_done([slot for slot, req in enumerate(self.slots) if req is not None and self._deliver(
-            slot, req, [int(t) for t in block[slot] if t >= 0], bool(done[slot]), int(finish[slot]))])
-
-    def _deliver(self, slot: int, req: Request, toks: list[int], device_done: bool, finish: int) -> bool:
-        """Hands a row's new tokens to its consumer and ends the request if it is over. Returns True when
-        the host ended it (cancelled, or the consumer asked to stop), so the row is marked done on device.
+    def _deliver(self, slot: int, req: Request, toks: list[int], device_done: bool, finish: int,
+                 entries: list | None = None) -> bool:
+        """Hands a row's new tokens (and their log-probability ``entries``) to its consumer and ends the
+        request if it is over. Returns True when the host ended it (cancelled, or the consumer asked to
+        stop), so the row is marked done on device.
 
         A failing consumer cancels its own request only."""
         halt = False
@@ -250,6 +379,8 @@ class Scheduler:
             req.output.extend(toks)
             self.generated_tokens += len(toks)
             try:
+                if entries is not None and req.on_logprobs is not None:
+                    req.on_logprobs(entries)
                 halt = bool(req.on_tokens(toks))
             except Exception:
                 log.exception("on_tokens callback failed; cancelling that request")
@@ -270,7 +401,7 @@ class Scheduler:
             return
         mask = np.zeros(self.engine.batch_size, bool)
         mask[slots] = True
-        self._ds = dataclasses.replace(self._ds, done=self._ds.done | jnp.asarray(mask))
+        self._ds = end_rows(jnp.asarray(mask), self._ds)
 
     def _finish(self, slot: int, reason: str, error: str | None = None) -> None:
         req = self.slots[slot]
@@ -285,5 +416,6 @@ class Scheduler:
         for slot, req in enumerate(self.slots):
             if req is not None:
                 self._finish(slot, "error", message)
+        self._pending = None
         self._ds = self.engine.decode_state([], [], [])
         self.engine.reset()

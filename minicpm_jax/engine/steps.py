@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minicpm_jax.engine.sampling import sample
+from minicpm_jax.engine.sampling import sample, token_logprobs
 from minicpm_jax.engine.stops import DecodeState, apply_stops
 from minicpm_jax.model.cache import KVCache
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
@@ -83,36 +83,70 @@ def prefill_chunk(graphdef, state, cache: KVCache, tokens, num_valid, last_logit
     return cache, jnp.where((num_valid > 0)[:, None], logits, last_logits)
 
 
-def first_token(ds: DecodeState, logits, active, cache_lengths, *, max_length: int, sampling: str = "auto"):
-    """Samples each ``active`` row's first token from its prefill logits ``f32[B, V]``."""
+def take_rows(cache: KVCache, idx: jax.Array) -> KVCache:
+    """The cache of the slots ``idx int32[b]`` alone (a ``b``-row :class:`KVCache`: every buffer has the batch
+    on axis 1, ``lengths`` on axis 0)."""
+    return jax.tree.map(lambda x: jnp.take(x, idx, axis=0 if x.ndim == 1 else 1), cache)
+
+
+def put_rows(cache: KVCache, idx: jax.Array, rows: KVCache) -> KVCache:
+    """``cache`` with the slots ``idx int32[b]`` replaced by ``rows`` (a ``b``-row cache, see :func:`take_rows`)."""
+    return jax.tree.map(lambda x, r: x.at[idx].set(r) if x.ndim == 1 else x.at[:, idx].set(r), cache, rows)
+
+
+def prefill_rows(graphdef, state, cache: KVCache, idx, tokens, num_valid, *, mode: str = "dense"):
+    """A prompt chunk ``tokens int32[b, C]`` for the slots ``idx int32[b]`` alone: their cache rows are
+    taken out, run through :func:`prefill_chunk` and put back (the other slots are neither computed nor
+    changed). Returns (cache, logits ``f32[B, V]`` of each row's last real token, zeros for the other
+    slots)."""
+    b = idx.shape[0]
+    vocab = nnx.merge(graphdef, state).config.vocab_size
+    rows, logits = prefill_chunk(graphdef, state, take_rows(cache, idx), tokens, num_valid,
+                                 jnp.zeros((b, vocab), jnp.float32), mode=mode)
+    full = jnp.zeros((cache.lengths.shape[0], vocab), jnp.float32).at[idx].set(logits)
+    return put_rows(cache, idx, rows), full
+
+
+def first_token(ds: DecodeState, logits, active, cache_lengths, *, max_length: int, sampling: str = "auto",
+                logprobs: int = 0):
+    """Samples each ``active`` row's first token from its prefill logits ``f32[B, V]``. With ``logprobs``
+    (static) > 0 also returns the token's log-probability and the ``logprobs`` most likely tokens
+    (:func:`~minicpm_jax.engine.sampling.token_logprobs`): (state, (f32[B], int32[B, K], f32[B, K]))."""
     tok = sample(logits, ds.keys, ds.n_gen, ds.temperature, ds.top_k, ds.top_p, sampling)
     ds, _ = apply_stops(ds, tok[:, None], active.astype(jnp.int32), active, cache_lengths, max_length)
-    return ds
+    return (ds, token_logprobs(logits, tok, logprobs)) if logprobs else ds
 
 
 def decode_steps(graphdef, state, cache: KVCache, ds: DecodeState, *, num_steps: int, mode: str = "dense",
-                 sampling: str = "auto"):
+                 sampling: str = "auto", logprobs: int = 0):
     """Up to ``num_steps`` decode steps on device (stopping once every row is done); returns (cache, state,
-    tokens ``int32[B, num_steps]``, -1 = none)."""
+    tokens ``int32[B, num_steps]``, -1 = none). With ``logprobs`` (static) > 0 also each token's
+    log-probability and the ``logprobs`` most likely tokens of its step, from the logits the step samples
+    from: (cache, state, tokens, (f32[B, N], int32[B, N, K], f32[B, N, K]))."""
     model = nnx.merge(graphdef, state)
-    out = jnp.full((ds.tok.shape[0], num_steps), -1, jnp.int32)
+    b = ds.tok.shape[0]
+    out = jnp.full((b, num_steps), -1, jnp.int32)
+    lps = (jnp.zeros((b, num_steps), jnp.float32), jnp.zeros((b, num_steps, logprobs), jnp.int32),
+           jnp.zeros((b, num_steps, logprobs), jnp.float32))
 
     def cond(carry):
-        i, _, ds, _ = carry
+        i, _, ds, _, _ = carry
         return (i < num_steps) & jnp.any(~ds.done)
 
     def body(carry):
-        i, cache, ds, out = carry
+        i, cache, ds, out, lps = carry
         active = ~ds.done
         hidden, cache = model.forward(ds.tok[:, None], cache, active.astype(jnp.int32), mode)
         logits = model.logits(hidden[:, 0])
         new_tok = sample(logits, ds.keys, ds.n_gen, ds.temperature, ds.top_k, ds.top_p, sampling)
         out = out.at[:, i].set(jnp.where(active, new_tok, -1))
+        if logprobs:
+            lps = tuple(acc.at[:, i].set(x) for acc, x in zip(lps, token_logprobs(logits, new_tok, logprobs)))
         ds, _ = apply_stops(ds, new_tok[:, None], active.astype(jnp.int32), active, cache.lengths, cache.max_length)
-        return i + 1, cache, ds, out
+        return i + 1, cache, ds, out, lps
 
-    _, cache, ds, out = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, ds, out))
-    return cache, ds, out
+    _, cache, ds, out, lps = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, ds, out, lps))
+    return (cache, ds, out, lps) if logprobs else (cache, ds, out)
 
 
 # ------------------------------------------------------------------------------------------ plain decode
@@ -126,6 +160,7 @@ class PlainSteps:
     """
 
     reuse_margin = 0
+    prefills_rows = True  # has :meth:`prefill_rows`: a chunk of some slots run over their cache rows alone
 
     def __init__(self, model: MiniCPMForCausalLM, *, decode_block: int):
         self.model = model
@@ -135,11 +170,15 @@ class PlainSteps:
         # specs, everything else replicated); the first token needs no model: a plain replicated jit.
         mesh, s, c, r = model.mesh, model.param_specs(self.state), model.cache_specs(), REPLICATED
         prefill = spmd(mesh, functools.partial(prefill_chunk, self.graphdef), (s, c, r, r, r), (c, r))
-        decode = spmd(mesh, functools.partial(decode_steps, self.graphdef, num_steps=decode_block), (s, c, r), (c, r, r))
+        rows = spmd(mesh, functools.partial(prefill_rows, self.graphdef), (s, c, r, r, r), (c, r))
+        decode = spmd(mesh, functools.partial(decode_steps, self.graphdef, num_steps=decode_block), (s, c, r),
+                      lambda logprobs=0, **_: (c, r, r, r) if logprobs else (c, r, r))
         self.compiled = Compiled({
             "prefill": jax.jit(prefill, donate_argnums=1, static_argnames="mode"),
-            "first": jax.jit(functools.partial(first_token, max_length=model.max_length), static_argnames="sampling"),
-            "decode": jax.jit(decode, donate_argnums=1, static_argnames=("mode", "sampling")),
+            "prefill_rows": jax.jit(rows, donate_argnums=1, static_argnames="mode"),
+            "first": jax.jit(functools.partial(first_token, max_length=model.max_length),
+                             static_argnames=("sampling", "logprobs")),
+            "decode": jax.jit(decode, donate_argnums=1, static_argnames=("mode", "sampling", "logprobs")),
         })
 
     @property
@@ -157,18 +196,27 @@ class PlainSteps:
         args = (self.state, cache, chunk.tokens, chunk.num_valid, logits)
         return self.compiled("prefill", chunk.tokens.shape[1], *args, mode=mode)
 
+    def prefill_rows(self, cache: KVCache, idx: np.ndarray, chunk: PrefillChunk, mode: str):
+        """Runs the rows ``idx int32[b]`` of ``chunk`` over those slots' cache rows alone (the others are
+        neither computed nor changed); returns (cache, last-token logits ``f32[B, V]``, zeros elsewhere)."""
+        args = (self.state, cache, idx, chunk.tokens[idx], chunk.num_valid[idx])
+        return self.compiled("prefill_rows", (len(idx), chunk.tokens.shape[1]), *args, mode=mode)
+
     def first_token(self, cache: KVCache, ds: DecodeState, logits: jax.Array, active: jax.Array,
-                    sampling: str = "auto") -> DecodeState:
-        """Samples the ``active`` rows' first tokens from their prefill logits."""
+                    sampling: str = "auto", logprobs: int = 0):
+        """Samples the ``active`` rows' first tokens from their prefill logits (with their log-probabilities
+        when ``logprobs`` > 0, see :func:`first_token`)."""
         args = (ds, logits, active, cache.lengths)
-        return self.compiled("first", None, *args, sampling=sampling)
+        return self.compiled("first", None, *args, sampling=sampling, logprobs=logprobs)
 
-    def start(self, ds: DecodeState) -> None:
-        """A decode loop begins from ``ds`` (plain decoding needs nothing)."""
+    def start(self, ds: DecodeState, rows: jax.Array | None = None) -> None:
+        """Decoding begins from ``ds`` for every row, or for the rows ``bool[B]`` joining a running batch
+        (plain decoding needs nothing)."""
 
-    def decode_block(self, cache: KVCache, ds: DecodeState, mode: str, sampling: str = "auto"):
-        """One decode block; returns (cache, state, tokens ``int32[B, decode_block]``, -1 = none)."""
-        return self.compiled("decode", None, self.state, cache, ds, mode=mode, sampling=sampling)
+    def decode_block(self, cache: KVCache, ds: DecodeState, mode: str, sampling: str = "auto", logprobs: int = 0):
+        """One decode block; returns (cache, state, tokens ``int32[B, decode_block]``, -1 = none), and the
+        tokens' log-probabilities when ``logprobs`` > 0 (see :func:`decode_steps`)."""
+        return self.compiled("decode", None, self.state, cache, ds, mode=mode, sampling=sampling, logprobs=logprobs)
 
     def accepted(self) -> None:
         """Speculative statistics (none for plain decoding)."""

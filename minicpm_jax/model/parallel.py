@@ -311,7 +311,8 @@ def allocate(mesh: Mesh | None, make: Callable[[], object], specs: Callable[[obj
 
 def spmd(mesh: Mesh | None, fn: Callable, in_specs, out_specs) -> Callable:
     """``fn`` run as one SPMD program over ``mesh``: every device gets its blocks of the arguments
-    (``in_specs``, a pytree prefix of them) and returns its blocks of the results (``out_specs``); keyword
+    (``in_specs``, a pytree prefix of them) and returns its blocks of the results (``out_specs``, or a
+    function of the static arguments giving them, where those change what ``fn`` returns); keyword
     arguments are static. Without a mesh, ``fn`` itself."""
     if mesh is None:
         return fn
@@ -319,6 +320,7 @@ def spmd(mesh: Mesh | None, fn: Callable, in_specs, out_specs) -> Callable:
     @functools.wraps(fn)
     def run(*args, **static):
         body = functools.partial(fn, **static)
-        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+        outs = out_specs(**static) if callable(out_specs) else out_specs
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=outs, check_vma=False)(*args)
 
     return run

@@ -151,7 +151,10 @@ MSG = [{"role": "user", "content": "Hi"}]
     ("max_tokens not int", {"messages": MSG, "max_tokens": "many"}, 400, "max_tokens"),
     ("temperature out of range", {"messages": MSG, "temperature": 7}, 400, "temperature"),
     ("top_p zero", {"messages": MSG, "top_p": 0}, 400, "top_p"),
-    ("n above one", {"messages": MSG, "n": 2}, 400, "n"),
+    ("n above the slots", {"messages": MSG, "n": 9}, 400, "n"),
+    ("top_logprobs without logprobs", {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("top_logprobs above 20", {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("completion echo with logprobs", {"prompt": "Hi", "echo": True, "logprobs": 1}, 400, "echo"),
     ("too many stops", {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("prompt over context", {"messages": [{"role": "user", "content": "word " * 3000}]}, 400, "context"),
     ("oversized body", {"messages": [{"role": "user", "content": "x" * (2 << 20)}]}, 413, "larger than"),
@@ -294,12 +297,12 @@ def test_a_busy_port_is_refused_before_the_model_loads(smollm2_dir):
     assert time.perf_counter() - t < 60  # no model was loaded (that alone takes longer on a CPU)
 
 
-def _sse(server, content: str, max_tokens: int) -> list:
+def _sse(server, content: str, max_tokens: int, **extra) -> list:
     """The data payloads of one streaming chat request (parsed JSON, or the string "[DONE]")."""
     import json
 
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True}
+            "stream": True, **extra}
     events = []
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=300) as r:
         for line in r.iter_lines():
@@ -316,13 +319,13 @@ def test_sigterm_drains_then_exits_0(smollm2_dir):
     import threading
 
     s = Server("--max_batch_size", "2", "--max_queue", "4", "--max_length", "512", "--decode_block", "4",
-               "--shutdown_grace_s", "8")
+               "--shutdown_grace_s", "4")  # the long stream needs > 6 s, the short one < 1 s
     try:
         short_alone = _sse(s, "Say hello.", 24)  # also compiles the steps
         results = {}
         threads = [threading.Thread(target=lambda: results.setdefault("short", _sse(s, "Say hello.", 24))),
-                   threading.Thread(target=lambda: results.setdefault("long", _sse(
-                       s, "Count from 1 to 1000, separated by commas.", 450)))]
+                   threading.Thread(target=lambda: results.setdefault("long", _sse(  # 450 tokens, > the grace
+                       s, "Count from 1 to 1000, separated by commas.", 450, ignore_eos=True)))]
         for t in threads:
             t.start()
         deadline = time.time() + 120
@@ -350,3 +353,66 @@ def test_sigterm_drains_then_exits_0(smollm2_dir):
     long = results["long"]
     assert long[-1] == "[DONE]" and long[-2]["error"]["code"] == "server_shutting_down", long[-3:]
     assert len(long) > 5  # it streamed for the grace period first
+
+
+def test_logprobs_in_openai_shapes_streamed_and_not(client):
+    """Chat logprobs / top_logprobs and completions logprobs (they were null): one entry per completion
+    token, computed from the logits each token was sampled from; greedy tokens are their most likely
+    alternative; the streamed entries are the non-streamed ones; tokens' texts add up to the text."""
+    kw = dict(model="smollm2", max_tokens=6, temperature=0)  # the answer is 8 tokens with its end token
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    full = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=3, **kw)
+    choice = full.choices[0]
+    entries = choice.logprobs.content
+    assert len(entries) == full.usage.completion_tokens == 6 and choice.finish_reason == "length"
+    assert "".join(e.token for e in entries) == choice.message.content
+    for e in entries:
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token
+        assert e.logprob == e.top_logprobs[0].logprob <= 0 and bytes(e.bytes) == e.token.encode()
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob
+    streamed = [e for c in client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=3,
+                                                          stream=True, **kw)
+                for ch in c.choices if ch.logprobs and ch.logprobs.content for e in ch.logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in entries]
+    assert client.chat.completions.create(messages=messages, **kw).choices[0].logprobs is None
+
+    done = client.completions.create(prompt="The capital of France is", logprobs=2, **kw)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == done.usage.completion_tokens
+    assert "".join(lp.tokens) == done.choices[0].text and lp.text_offset[0] == 0
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert all(len(top) >= 2 and max(top.values()) == v for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    chunks = client.completions.create(prompt="The capital of France is", logprobs=2, stream=True, **kw)
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == lp.tokens
+
+
+def test_n_choices_and_echo(client):
+    """n > 1: n choices, each its own slot and seed stream (choice 0 is the request's seed), usage summed;
+    streamed per index as the non-streamed ones. echo puts the prompt before the completion."""
+    kw = dict(model="smollm2", max_tokens=12, temperature=1.0, seed=7,
+              messages=[{"role": "user", "content": "Tell me a word."}])
+    three = client.chat.completions.create(n=3, **kw)
+    texts = [c.message.content for c in sorted(three.choices, key=lambda c: c.index)]
+    assert [c.index for c in three.choices] == [0, 1, 2] and len(set(texts)) >= 2
+    assert texts[0] == client.chat.completions.create(**kw).choices[0].message.content
+    one_usage = three.usage.prompt_tokens
+    assert three.usage.completion_tokens == sum(
+        client.chat.completions.create(**{**kw, "seed": s}).usage.completion_tokens
+        for s in [7, (7 + 0x9E3779B97F4A7C15) % 2**64, (7 + 2 * 0x9E3779B97F4A7C15) % 2**64])
+    assert one_usage == client.chat.completions.create(**kw).usage.prompt_tokens  # the prompt counts once
+    streamed, finishes = ["", "", ""], [None] * 3
+    for c in client.chat.completions.create(n=3, stream=True, **kw):
+        for ch in c.choices:
+            streamed[ch.index] += ch.delta.content or ""
+            finishes[ch.index] = ch.finish_reason or finishes[ch.index]
+    assert streamed == texts and all(finishes)
+    greedy = client.chat.completions.create(n=2, **{**kw, "temperature": 0})
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+
+    prompt = "The capital of France is"
+    plain = client.completions.create(model="smollm2", prompt=prompt, max_tokens=5, temperature=0)
+    echoed = client.completions.create(model="smollm2", prompt=prompt, max_tokens=5, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    stream = client.completions.create(model="smollm2", prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in stream) == echoed.choices[0].text

@@ -240,3 +240,74 @@ def test_seeds_take_all_64_bits():
     SamplingParams(seed=2**64 - 1)
     with pytest.raises(MiniCPMError, match="seed must be in"):
         SamplingParams(seed=2**64)
+
+
+def test_prefill_chunk_pieces_cache_what_a_whole_prefill_does(tiny_ckpt):
+    """Engine.prefill_chunk (a server's interleaved prefill): a prompt fed as pieces, one slot alone (its
+    cache rows taken out and put back) or two slots in one forward, caches the K/V, lengths and last logits
+    a whole-prompt prefill gives, and never changes the other slots."""
+    model = load_model(tiny_ckpt[0], dtype=jnp.float32, max_length=MAX_LEN)
+    rng = np.random.default_rng(1)
+    a, b, other = (list(rng.integers(3, 90, n)) for n in (37, 21, 9))
+    ref = Engine(model, batch_size=3, chunk_length=16)
+    want_logits = np.asarray(ref.prefill([a, b, other]))
+    eng = Engine(model, batch_size=3, chunk_length=16)
+    eng.prefill([[], [], other])
+    other_k = np.asarray(eng.cache.k[:, 2])
+    logits = {}
+
+    def feed(pieces: dict[int, list[int]], size: int):
+        out = np.asarray(eng.prefill_chunk([pieces.get(i, []) for i in range(3)], size))
+        for slot in pieces:
+            logits[slot] = out[slot]
+
+    feed({0: a}, 8)  # slot 0 alone: its rows only
+    feed({0: a[8:]}, 8)
+    feed({0: a[16:], 1: b}, 8)  # two slots: every row's forward, the third masked
+    feed({0: a[24:], 1: b[8:]}, 8)
+    feed({1: b[16:]}, 8)
+    feed({0: a[32:]}, 8)
+    assert eng.cache_lengths() == [37, 21, 9]
+    assert [key for key in eng.steps.compiled.executables if key[0] == "prefill_rows"]  # one slot ran alone
+    np.testing.assert_array_equal(np.asarray(eng.cache.k[:, 2]), other_k)  # untouched, bit for bit
+    for slot, n in ((0, 37), (1, 21), (2, 9)):
+        for buf, ref_buf in ((eng.cache.k, ref.cache.k), (eng.cache.v, ref.cache.v)):
+            np.testing.assert_allclose(np.asarray(buf[:, slot, :, :n]), np.asarray(ref_buf[:, slot, :, :n]),
+                                       rtol=1e-5, atol=1e-5)
+    for slot in (0, 1):
+        np.testing.assert_allclose(logits[slot], want_logits[slot], rtol=1e-4, atol=1e-4)
+    with pytest.raises(MiniCPMError, match="chunk_length"):
+        eng.prefill_chunk([a], 17)
+
+
+def test_logprobs_come_from_the_logits_each_step_sampled_from(tiny_ckpt):
+    """first_token / decode with logprobs: each token's log-probability and the 20 most likely tokens of its
+    step equal log_softmax of the logits a fresh forward of the whole sequence gives at that position; the
+    tokens are the ones the steps give without logprobs."""
+    model = load_model(tiny_ckpt[0], dtype=jnp.float32, max_length=MAX_LEN)
+    eng = Engine(model, batch_size=2, chunk_length=16, decode_block=3)
+    prompts = [PROMPT, [5, 6, 7, 8]]
+    samplings = [SamplingParams(), SamplingParams(temperature=0.9, seed=4)]
+    want, _ = eng.generate(prompts, sampling=samplings, max_new_tokens=7)
+    eng.reset()
+    ds = eng.decode_state(samplings, [7, 7], [[], []])
+    ds, (lp, ids, top) = eng.first_token(ds, eng.prefill(prompts), ~ds.done, logprobs=20)
+    tokens, lps = [np.asarray(ds.tok)[:, None]], [(np.asarray(lp)[:, None], np.asarray(ids)[:, None], np.asarray(top)[:, None])]
+    while not bool(np.all(np.asarray(ds.done))):
+        ds, block, (lp, ids, top) = eng.decode(ds, logprobs=20)
+        tokens.append(np.asarray(block))
+        lps.append((np.asarray(lp), np.asarray(ids), np.asarray(top)))
+    tokens = np.concatenate(tokens, 1)
+    lp, ids, top = (np.concatenate(x, 1) for x in zip(*lps))
+    for row, (prompt, res) in enumerate(zip(prompts, want)):
+        got = [int(t) for t in tokens[row] if t >= 0]
+        assert got == res.token_ids
+        seq = jnp.asarray([prompt + got[:-1]], jnp.int32)
+        hidden, _ = model.forward(seq, model.new_cache(1))
+        oracle = np.asarray(jax.nn.log_softmax(model.logits(hidden[0, len(prompt) - 1:]), axis=-1))
+        steps = np.nonzero(tokens[row] >= 0)[0]
+        np.testing.assert_allclose(lp[row, steps], oracle[np.arange(len(got)), got], rtol=1e-4, atol=1e-4)
+        order = np.argsort(-oracle, axis=1)[:, :20]
+        np.testing.assert_array_equal(ids[row, steps][:, :5], order[:, :5])  # ties aside, the top ids
+        np.testing.assert_allclose(top[row, steps], np.take_along_axis(oracle, ids[row, steps], 1), rtol=1e-4, atol=1e-4)
+        assert np.all(np.diff(top[row, steps], axis=1) <= 0)

@@ -139,3 +139,130 @@ def test_drain_ends_the_queue_and_lets_running_rows_finish(tiny_model):
     sched.step()
     assert long_rec["finish"] == "shutdown" and sched.idle and len(long.output) < 80
     assert sched.finished == collections.Counter({"length": 1, "shutdown": 2})
+
+
+def test_a_long_prompt_is_prefilled_in_pieces_between_decode_steps(tiny_model):
+    """A long prompt arriving while rows decode is read prefill_budget tokens a step, a decode block of the
+    running rows after each piece (it used to be prefilled whole before they could go on); every request
+    still gives its solo tokens, and a request that arrives is admitted at the next step."""
+    rng = np.random.default_rng(3)
+    vocab = tiny_model.config.vocab_size
+    running = [list(rng.integers(0, vocab, 6)), list(rng.integers(0, vocab, 11))]
+    long_prompt = list(rng.integers(0, vocab, 70))
+    late = list(rng.integers(0, vocab, 5))
+    solo = Engine(tiny_model, batch_size=1, chunk_length=16, decode_block=2)
+    want = [solo.generate([p], max_new_tokens=n)[0][0].token_ids for p, n in
+            ((running[0], 40), (running[1], 40), (long_prompt, 5), (late, 3))]
+    sched = Scheduler(Engine(tiny_model, batch_size=4, chunk_length=32, decode_block=2), prefill_budget=16)
+    recs = [_request(p, 40) for p in running]
+    for req, _ in recs:
+        sched.submit(req)
+    for _ in range(3):
+        sched.step()
+    long, long_rec = _request(long_prompt, 5)
+    sched.submit(long)
+    steps_to_first, tokens_meanwhile = 0, []
+    while not long.output:
+        before = [len(req.output) for req, _ in recs]
+        sched.step()
+        steps_to_first += 1
+        tokens_meanwhile.append([len(req.output) - b for (req, _), b in zip(recs, before)])
+    # ceil(70 / 16) = 5 pieces, one a step; both running rows got a decode block (2 tokens) every step.
+    assert steps_to_first == 5, steps_to_first
+    assert all(n == [2, 2] for n in tokens_meanwhile), tokens_meanwhile
+    late_req, _ = _request(late, 3)
+    sched.submit(late_req)
+    sched.step()
+    assert len(late_req.output) == 1  # admitted, prefilled and given its first token at the next step
+    while sched.active:
+        sched.step()
+    assert [r.output for r, _ in recs] + [long.output, late_req.output] == want
+    assert long_rec["finish"] == "length"
+
+
+def test_logprobs_arrive_with_their_tokens(tiny_model):
+    """A request with logprobs gets one (logprob, top alternatives) entry per token before each on_tokens,
+    the same alone as beside a request without them; greedy tokens are their step's most likely."""
+    def run(batch, specs):
+        sched = Scheduler(Engine(tiny_model, batch_size=batch, chunk_length=16, decode_block=3), prefill_budget=16)
+        out = []
+        for prompt, k in specs:
+            req, rec = _request(prompt, 9)
+            req.logprobs, entries = k, []
+            req.on_logprobs = entries.extend
+            sched.submit(req)
+            out.append((req, entries))
+        while sched.active or sched.queued:
+            sched.step()
+        return out
+
+    (alone, alone_lp), = run(1, [([4, 8, 15, 16], 3)])
+    (other, other_lp), (req, entries) = run(2, [([23, 42], None), ([4, 8, 15, 16], 3)])
+    assert req.output == alone.output and len(entries) == len(req.output) == 9 and not other_lp
+    for (lp, top), (lp1, top1), tok in zip(entries, alone_lp, req.output):
+        assert len(top) == 3 and top[0][0] == tok and abs(top[0][1] - lp) < 1e-6 and lp <= 0
+        assert abs(lp - lp1) < 1e-5 and [i for i, _ in top] == [i for i, _ in top1]
+        assert top[0][1] >= top[1][1] >= top[2][1]
+    with pytest.raises(MiniCPMError, match="logprobs"):
+        bad, _ = _request([1, 2], 3)
+        bad.logprobs = 21
+        Scheduler(Engine(tiny_model, batch_size=1, chunk_length=16)).submit(bad)
+
+
+def _bigram_pair(vocab=24, max_length=96):
+    """A target whose next token mostly follows the current one and an EAGLE draft that predicts that
+    bigram (as tests/engine/test_speculative.py builds it), so speculative rounds often emit several tokens."""
+    from minicpm_jax.config import DraftSpec
+    from minicpm_jax.model.draft import EagleDraft
+
+    cfg = ModelConfig.from_dict(tiny_minicpm_config(vocab_size=vocab))
+    model = MiniCPMForCausalLM(cfg, max_length=max_length, attention_impl="xla", dtype=jnp.float32, rngs=nnx.Rngs(0))
+    gd, state = nnx.split(model)
+    flat = dict(nnx.to_flat_state(state))
+    for path, var in flat.items():
+        name = ".".join(map(str, path))
+        var.set_value(var[...] * (60.0 if "embed_tokens" in name or "lm_head" in name else 3.0 if "layers" in name else 1.0))
+    model = nnx.merge(gd, nnx.from_flat_state(flat))
+    draft = EagleDraft(DraftSpec.for_target(cfg), max_length=max_length, attention_impl="xla", dtype=jnp.float32,
+                       rngs=nnx.Rngs(1))
+    h = cfg.hidden_size
+    draft.fc.kernel.set_value(jnp.concatenate([jnp.eye(h), jnp.zeros((h, h))], axis=0) * 4.0)
+    for lin in (draft.self_attn.o_proj, draft.mlp.down_proj):
+        lin.kernel.set_value(lin.kernel[...] * 0.05)
+    return model, draft
+
+
+def test_speculative_rounds_with_continuous_batching_give_plain_greedy_tokens():
+    """A speculative engine behind the scheduler: requests joining at different times, one prompt read in
+    pieces while others run speculative rounds, give exactly the plain greedy tokens; a round emits its
+    accepted tokens together (blocks of several tokens), as many per round as alone."""
+    from minicpm_jax.engine.speculative.engine import SpeculativeEngine
+    from minicpm_jax.engine.speculative.rounds import SpecConfig
+
+    model, draft = _bigram_pair()
+    prompts = [[3, 7, 9, 11, 4], [5, 6, 7, 8, 9, 10, 11, 12, 13], list(np.arange(40) % 20 + 2), [2, 3], [9, 1, 4]]
+    budgets = [30, 25, 20, 12, 18]
+    plain = Engine(model, batch_size=1, chunk_length=16)
+    want = [plain.generate([p], max_new_tokens=n)[0][0].token_ids for p, n in zip(prompts, budgets)]
+    tree = SpecConfig(num_iter=3, topk_per_iter=4, tree_size=10)
+    solo = SpeculativeEngine(model, draft, spec=tree, chunk_length=16, decode_block=1)
+    solo_counts = sum(np.asarray(solo.generate([p], max_new_tokens=n)[1].spec_accepted) for p, n in zip(prompts, budgets))
+    spec = SpeculativeEngine(model, draft, spec=tree, batch_size=3, chunk_length=16, decode_block=1)
+    assert not spec.has_logprobs
+    sched = Scheduler(spec, prefill_budget=8)
+    reqs = [_request(p, n) for p, n in zip(prompts, budgets)]
+    for req, _ in reqs[:2]:
+        sched.submit(req)
+    pending, steps = reqs[2:], 0
+    while pending or sched.active or sched.queued:
+        sched.step()
+        steps += 1
+        if pending and steps % 3 == 0:
+            sched.submit(pending.pop(0)[0])
+        assert steps < 400
+    assert [r.output for r, _ in reqs] == want
+    blocks = [len(b) for _, rec in reqs for b in rec["blocks"]]
+    assert max(blocks) > 1  # accepted drafts: several tokens a round
+    # The draft saw each row's pairs as it does alone (its state per row: pending pairs of rows joining a
+    # running batch, a reused slot's pairs forgotten), so every round accepted what it accepts alone.
+    assert list(np.asarray(spec.accept_counts())) == list(solo_counts) and sched.accept_counts == list(solo_counts)

@@ -53,6 +53,7 @@ class EagleSteps:
 
     # The draft needs the target feature of the last reused position, which the tail prefill recomputes.
     reuse_margin = 1
+    prefills_rows = False  # the draft's per-row state sits beside the cache: chunks run every row, masked
 
     def __init__(self, model: MiniCPMForCausalLM, draft: EagleDraft, *, spec: SpecConfig = SpecConfig(),
                  frspec_ids: np.ndarray | None = None, batch_size: int = 1, decode_block: int = 4,
@@ -108,11 +109,16 @@ class EagleSteps:
 
     def reset(self, rows: np.ndarray | None = None) -> None:
         """Forgets the draft's cached pairs (of the slots ``rows``, or all; a fresh cache if an interrupted
-        step left it donated)."""
+        step left it donated) and those slots' pending pairs (a slot reused mid-batch must not replay its
+        last owner's)."""
         if rows is None and self.dcache.k.is_deleted():
             self.dcache = self.draft.new_cache(self.batch_size, self.dcache.max_length)
         else:
             self.dcache = self.dcache.reset(None if rows is None else jnp.asarray(rows))
+        if self.rounds is not None:
+            keep = jnp.zeros(self.batch_size, bool) if rows is None else ~jnp.asarray(rows)
+            self.rounds = dataclasses.replace(self.rounds, dcache=self.dcache,
+                                              pend_n=jnp.where(keep, self.rounds.pend_n, 0))
 
     def truncate(self, lengths: Sequence[int]) -> None:
         # Draft pair t = (f_t, x_{t+1}) is valid while x_{t+1} is cached; the tail prefill restarts at the
@@ -130,20 +136,30 @@ class EagleSteps:
         args = (ds, logits, active, cache.lengths)
         return self.compiled("first", None, *args, sampling=sampling)
 
-    def start(self, ds: DecodeState) -> None:
-        """Rounds begin: the draft has yet to read the pair (last prompt feature, first token) of each row."""
+    def start(self, ds: DecodeState, rows: jax.Array | None = None) -> None:
+        """Rounds begin: the draft has yet to read the pair (last prompt feature, first token) of each row
+        (of the rows ``bool[B]`` only, when given: rows joining a running batch; the others keep their
+        pending pairs and every row its accept counts)."""
         b, a = self.batch_size, self.spec.max_accept
-        self.rounds = SpecState(
+        fresh = SpecState(
             dcache=self.dcache,
             pend_tok=jnp.zeros((b, a), jnp.int32).at[:, 0].set(ds.tok),
             pend_feat=jnp.zeros((b, a, self.draft.spec.feature_size), self.model.dtype).at[:, 0].set(self.last_feat),
             pend_n=jnp.where(ds.done, 0, 1).astype(jnp.int32),
             accepted=jnp.zeros((b, a + 1), jnp.int32),
         )
+        if rows is None or self.rounds is None:
+            self.rounds = fresh
+            return
+        pick = lambda new, old: jnp.where(rows.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
+        self.rounds = SpecState(dcache=self.dcache, pend_tok=pick(fresh.pend_tok, self.rounds.pend_tok),
+                                pend_feat=pick(fresh.pend_feat, self.rounds.pend_feat),
+                                pend_n=pick(fresh.pend_n, self.rounds.pend_n), accepted=self.rounds.accepted)
 
     def decode_block(self, cache: KVCache, ds: DecodeState, mode: str, sampling: str = "auto"):
         """``decode_block`` rounds; returns (cache, state, tokens ``int32[B, rounds·A]``, -1 = none)."""
-        args = (self.state, self.dstate, self.head, self.ids, cache, ds, self.rounds)
+        # The draft cache as prefill and reset left it (they replace it; the rounds' copy may be donated).
+        args = (self.state, self.dstate, self.head, self.ids, cache, ds, dataclasses.replace(self.rounds, dcache=self.dcache))
         cache, ds, self.rounds, tokens = self.compiled("decode", None, *args, sampling=sampling, mode=mode)
         self.dcache = self.rounds.dcache
         return cache, ds, tokens

@@ -1,0 +1,344 @@
+"""Serving load generator: ``python -m benchmarks.serve`` drives an OpenAI-compatible server (ours, started
+here, or any at ``--url``) with streaming completions and writes JSON.
+
+Two scenarios, each per server configuration (``--server NAME=FLAGS``, repeatable: e.g. one plain and one
+with ``--draft_path``):
+
+* ``load`` — closed-loop clients at each of ``--concurrency`` (1, 8, 32): each client sends its next
+  request when the last has ended, ``--requests`` in all per level (after one warm-up request); the
+  clients' first requests are spread over the warm-up request's latency (users arrive independently, not
+  in one synchronised wave, whose last prompt waits for all the others'). Prompts of
+  about ``--prompt_tokens`` tokens, outputs of ``--max_tokens`` (each request a deterministic draw between
+  half of it and all of it, so clients do not stay in lock-step), ``ignore_eos`` so every request runs
+  its length. Reported: output tokens/s and requests/s over the level's wall time; TTFT (send → first
+  text chunk) and ITL (gap between text chunks, divided by the tokens that chunk carried) p50 / p99; the
+  server's ``/health`` speculative mean accept length when it reports one.
+* ``interference`` — ``--streams`` streams decode; once each has streamed 8 chunks, one prompt of
+  ``--long_prompt_tokens`` tokens arrives. Reported: the streams' gaps between chunks before it arrived
+  (the steady rhythm) and from then until the long prompt's first token (plus a few chunks), the median
+  over both, the longest while it was read, their ratio (issue 28 asks ≤ 3: a prefill interleaved with
+  decoding, not a stall; also against the steady median alone), and the long prompt's TTFT.
+
+Imported by nothing in the library. Needs only ``httpx`` (a dependency of the package's test extra).
+Example on a CPU with the demo model (tiny settings; tests/bench/test_serve.py runs this)::
+
+    python -m benchmarks.serve --server "demo=--max_batch_size 4 --max_length 512" --concurrency 1,4 \
+        --requests 4 --prompt_tokens 32 --max_tokens 8 --out /tmp/serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike november oscar papa "
+         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100, linear interpolation), None for no values."""
+    if not values:
+        return None
+    v = sorted(values)
+    pos = (len(v) - 1) * q / 100
+    lo, hi = int(pos), min(int(pos) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+class ServerProcess:
+    """``python -m minicpm_jax.server FLAGS`` on a free port, ready once ``/health`` answers."""
+
+    def __init__(self, flags: list[str], log_path: str, timeout_s: float = 900):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "minicpm_jax.server", "--port", str(self.port), *flags],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"the server did not start in {timeout_s:.0f} s: {self.tail()}")
+
+    def tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-2000:]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+class Client:
+    """Streaming completions against ``url`` (OpenAI API; ``api_key`` if the server wants one)."""
+
+    def __init__(self, url: str, api_key: str | None = None, model: str | None = None):
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.model = model
+        self.words_per_token = 1.0
+
+    def calibrate(self) -> None:
+        """Words of :data:`WORDS` per prompt token of this server's tokenizer (prompt_tokens of a probe)."""
+        n = 48
+        r = httpx.post(self.url + "/v1/completions", headers=self.headers, timeout=600,
+                       json=self._body(self.prompt_words(n, 0), 1, stream=False))
+        r.raise_for_status()
+        self.words_per_token = n / r.json()["usage"]["prompt_tokens"]
+
+    def prompt_words(self, n: int, seed: int) -> str:
+        return f"Request {seed}: " + " ".join(WORDS[(seed * 7 + i * 3) % len(WORDS)] for i in range(n))
+
+    def prompt(self, tokens: int, seed: int) -> str:
+        return self.prompt_words(max(1, round(tokens * self.words_per_token) - 3), seed)
+
+    def _body(self, prompt: str, max_tokens: int, stream: bool = True) -> dict:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        if self.model:
+            body["model"] = self.model
+        return body
+
+    def stream(self, prompt: str, max_tokens: int, on_chunk=None, stop: threading.Event | None = None) -> dict:
+        """One streaming request: send time, each text chunk's arrival time, usage; ``on_chunk(i)`` after
+        chunk i; leaves early (closing the connection) once ``stop`` is set."""
+        rec = {"sent": time.perf_counter(), "chunks": [], "text": "", "finish_reason": None, "done_event": False,
+               "usage": None, "error": None}
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=self._body(prompt, max_tokens),
+                              headers=self.headers, timeout=3600) as r:
+                if r.status_code != 200:
+                    rec["error"] = f"HTTP {r.status_code}: {r.read()[:300]!r}"
+                    return rec
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        rec["done_event"] = True
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    rec.setdefault("id", event.get("id"))
+                    if "error" in event:
+                        rec["error"] = event["error"].get("message")
+                    if event.get("usage"):
+                        rec["usage"] = event["usage"]
+                    for c in event.get("choices", []):
+                        rec["finish_reason"] = c.get("finish_reason") or rec["finish_reason"]
+                    if any(c.get("text") for c in event.get("choices", [])):
+                        rec["chunks"].append(time.perf_counter())
+                        rec["text"] += "".join(c.get("text") or "" for c in event["choices"])
+                        if on_chunk is not None:
+                            on_chunk(len(rec["chunks"]))
+                    if stop is not None and stop.is_set():
+                        break
+        except httpx.HTTPError as e:
+            rec["error"] = f"{type(e).__name__}: {e}"
+        rec["done"] = time.perf_counter()
+        return rec
+
+    def health(self) -> dict:
+        try:
+            return httpx.get(self.url + "/health", timeout=10).json()
+        except (httpx.HTTPError, ValueError):
+            return {}
+
+
+def run_level(client: Client, concurrency: int, requests: int, prompt_tokens: int, max_tokens: int,
+              spread_s: float = 0.0) -> dict:
+    """``requests`` closed-loop requests over ``concurrency`` clients, client i starting
+    ``i * spread_s / concurrency`` seconds after the first (independent users, not one synchronised wave);
+    the level's summary."""
+    lock, counter, records = threading.Lock(), [0], []
+    lengths = [max(1, max_tokens // 2 + (i * 7919) % (max_tokens - max_tokens // 2 + 1)) for i in range(requests)]
+
+    def worker(k):
+        time.sleep(k * spread_s / concurrency)
+        while True:
+            with lock:
+                i = counter[0]
+                if i >= requests:
+                    return
+                counter[0] += 1
+            rec = client.stream(client.prompt(prompt_tokens, 1000 * concurrency + i), lengths[i])
+            with lock:
+                records.append(rec)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ok = [r for r in records if not r["error"] and r["chunks"]]
+    out_tokens = sum(r["usage"]["completion_tokens"] for r in ok if r["usage"])
+    ttft = [r["chunks"][0] - r["sent"] for r in ok]
+    itl = []
+    for r in ok:
+        gaps = [b - a for a, b in zip(r["chunks"], r["chunks"][1:])]
+        if gaps and r["usage"]:  # a chunk may carry several tokens (a speculative round, a decode block)
+            per_chunk = max(1.0, (r["usage"]["completion_tokens"] - 1) / len(gaps))
+            itl += [g / per_chunk for g in gaps]
+    return {
+        "concurrency": concurrency, "requests": requests, "completed": len(ok),
+        "errors": sorted({r["error"] for r in records if r["error"]}),
+        "prompt_tokens_mean": statistics.mean(r["usage"]["prompt_tokens"] for r in ok if r["usage"]) if ok else None,
+        "output_tokens": out_tokens, "wall_s": wall,
+        "output_tokens_per_s": out_tokens / wall, "requests_per_s": len(ok) / wall,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+        "e2e_p50_s": percentile([r["done"] - r["sent"] for r in ok], 50), "arrival_spread_s": spread_s,
+        "ttfts_s": sorted(ttft), "ids": [r.get("id") for r in ok],
+    }
+
+
+def run_interference(client: Client, streams: int, long_tokens: int, prompt_tokens: int, warm_chunks: int = 8,
+                     after_chunks: int = 3, max_tokens: int = 4000) -> dict:
+    """``streams`` streams decode; a ``long_tokens`` prompt arrives once each has ``warm_chunks`` chunks
+    (the gaps between those are the streams' steady rhythm). Then every stream's gaps from the arrival
+    (the gap spanning it included) to ``after_chunks`` chunks past the long prompt's first token, when
+    the streams are closed."""
+    warmed = threading.Semaphore(0)
+    stop = threading.Event()
+    records: list[dict] = [None] * streams
+
+    def run_stream(i):
+        def on_chunk(n):
+            if n == warm_chunks:
+                warmed.release()
+        records[i] = client.stream(client.prompt(prompt_tokens, 50_000 + i), max_tokens, on_chunk, stop)
+
+    threads = [threading.Thread(target=run_stream, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for _ in range(streams):
+        warmed.acquire()
+    arrival = time.perf_counter()
+    long_rec = client.stream(client.prompt(long_tokens, 99_999), 1 + after_chunks)
+    stop.set()
+    for t in threads:
+        t.join()
+    end = long_rec["done"]
+    steady, window, per_stream = [], [], []
+    for r in records:
+        before = [t for t in r["chunks"] if t < arrival]
+        during = ([before[-1]] if before else []) + [t for t in r["chunks"] if arrival <= t <= end]
+        s_gaps = [b - a for a, b in zip(before[1:], before[2:])]  # past the first chunk's prefill
+        w_gaps = [b - a for a, b in zip(during, during[1:])]
+        steady += s_gaps
+        window += w_gaps
+        if w_gaps:
+            per_stream.append({"steady_median_gap_s": statistics.median(s_gaps) if s_gaps else None,
+                               "median_gap_s": statistics.median(w_gaps), "max_gap_s": max(w_gaps),
+                               "max_gap_ends_s": during[w_gaps.index(max(w_gaps)) + 1] - arrival,  # after the arrival
+                               "gaps": len(w_gaps)})
+    steady_median = statistics.median(steady) if steady else None
+    median = statistics.median(steady + window) if steady + window else None
+    longest = max(window) if window else None
+    return {
+        "streams": streams, "long_prompt_tokens": (long_rec["usage"] or {}).get("prompt_tokens"),
+        "long_prompt_ttft_s": (long_rec["chunks"][0] if long_rec["chunks"] else end) - long_rec["sent"],
+        "long_prompt_text": long_rec["text"], "long_prompt_error": long_rec["error"], "stream_errors": sorted({r["error"] for r in records if r["error"]}),
+        "steady_median_gap_s": steady_median,  # before the long prompt arrived
+        "window_median_gap_s": statistics.median(window) if window else None,  # while it was read
+        "median_gap_s": median, "max_gap_s": longest,  # median over both; the longest gap while it was read
+        "max_over_median": longest / median if median else None,
+        "max_over_steady_median": longest / steady_median if steady_median else None,
+        "per_stream": per_stream,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="an already running server (else one is started per --server)")
+    p.add_argument("--api_key")
+    p.add_argument("--model", help="the model name to send (default: none, the server's own)")
+    p.add_argument("--server", action="append", default=[],
+                   help="NAME=FLAGS: start `python -m minicpm_jax.server FLAGS` (repeatable; default: the demo model)")
+    p.add_argument("--scenarios", default="load", help="comma-separated: load, interference")
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--requests", type=int, default=0, help="requests per level (default: 4 per client, at least 8)")
+    p.add_argument("--prompt_tokens", type=int, default=128)
+    p.add_argument("--max_tokens", type=int, default=128)
+    p.add_argument("--streams", type=int, default=8, help="interference: decoding streams")
+    p.add_argument("--long_prompt_tokens", type=int, default=2000, help="interference: the arriving prompt")
+    p.add_argument("--stream_max_tokens", type=int, default=1000,
+                   help="interference: the streams' max_tokens (they are closed once the long prompt has answered)")
+    p.add_argument("--log_dir", default="/tmp", help="where started servers write their logs")
+    p.add_argument("--out", help="JSON results file")
+    args = p.parse_args(argv)
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    unknown = set(scenarios) - {"load", "interference"}
+    if unknown:
+        p.error(f"unknown scenarios {sorted(unknown)}")
+    levels = [int(c) for c in args.concurrency.split(",") if c]
+    configs = [(None, None)] if args.url else [tuple(s.split("=", 1)) if "=" in s else (s, "") for s in args.server] \
+        or [("demo", "")]
+    results = {"scenarios": scenarios, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "runs": []}
+    for name, server_flags in configs:
+        server = None
+        if args.url is None:
+            log = os.path.join(args.log_dir, f"serve-bench-{name}.log")
+            print(f"[{name}] starting the server: {server_flags}", file=sys.stderr, flush=True)
+            server = ServerProcess(shlex.split(server_flags), log)
+        try:
+            client = Client(args.url or server.url, args.api_key, args.model)
+            client.calibrate()
+            warm = client.stream(client.prompt(args.prompt_tokens, 7), args.max_tokens)  # warm-up
+            spread = warm["done"] - warm["sent"]  # clients' first requests spread over one request's time
+            run = {"name": name or args.url, "server_flags": server_flags, "levels": []}
+            if "load" in scenarios:
+                for c in levels:
+                    n = args.requests or max(8, 4 * c)
+                    level = run_level(client, c, n, args.prompt_tokens, args.max_tokens, spread)
+                    health = client.health()
+                    if "spec_mean_accept_length" in health:
+                        level["spec_mean_accept_length"] = health["spec_mean_accept_length"]
+                    run["levels"].append(level)
+                    print(f"[{run['name']}] c={c}: {level['output_tokens_per_s']:.1f} tok/s, "
+                          f"TTFT p50 {level['ttft_p50_s']:.3f} s p99 {level['ttft_p99_s']:.3f} s, "
+                          f"ITL p50 {level['itl_p50_s']:.4f} s p99 {level['itl_p99_s']:.4f} s"
+                          f"{', errors ' + str(level['errors']) if level['errors'] else ''}", file=sys.stderr, flush=True)
+            if "interference" in scenarios:
+                run["interference"] = r = run_interference(client, args.streams, args.long_prompt_tokens,
+                                                           args.prompt_tokens, max_tokens=args.stream_max_tokens)
+                print(f"[{run['name']}] {args.streams} streams + a {r['long_prompt_tokens']}-token prompt: gaps median "
+                      f"{r['median_gap_s']:.3f} s (steady {r['steady_median_gap_s']:.3f} s, while it is read "
+                      f"{r['window_median_gap_s']:.3f} s), longest {r['max_gap_s']:.3f} s ({r['max_over_median']:.2f}x "
+                      f"the median, {r['max_over_steady_median']:.2f}x the steady one); its TTFT "
+                      f"{r['long_prompt_ttft_s']:.2f} s", file=sys.stderr, flush=True)
+            results["runs"].append(run)
+        finally:
+            if server is not None:
+                server.stop()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
