@@ -10,6 +10,7 @@ memory sizing and saving of a split model.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 
 import jax
@@ -21,6 +22,7 @@ from flax import nnx
 from minicpm_jax.config import DraftSpec, ModelConfig
 from minicpm_jax.engine import memory
 from minicpm_jax.engine.engine import Engine
+from minicpm_jax.engine.sampling import SamplingParams
 from minicpm_jax.engine.speculative.engine import SpeculativeEngine
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.cache import KVCache
@@ -180,6 +182,26 @@ def test_split_model_equals_one_device(mode, size, ckpt):
         assert got_accepted == want_accepted
         if draft is not None:  # the rounds did accept drafted tokens
             assert sum(k * c for k, c in enumerate(got_accepted)) > sum(got_accepted)
+
+
+def test_split_model_serves_one_slot_alone_and_logprobs(ckpt):
+    """The server's step API on a split model: a prompt piece of one slot among several (run over that slot's
+    cache rows alone) and decode blocks with log-probabilities, against one device."""
+    def run(model):
+        engine = Engine(model, batch_size=3, chunk_length=32, decode_block=4)
+        engine.prefill_chunk([[], PROMPTS[2][:20], []], 32)  # one slot: its cache rows alone
+        logits = engine.prefill_chunk([[], PROMPTS[2][20:], []], 32)
+        ds = engine.decode_state([SamplingParams()] * 2, [6, 6], [[], []])
+        ds = dataclasses.replace(ds, done=jnp.asarray([True, False, True]))
+        ds, first = engine.first_token(ds, logits, ~ds.done, logprobs=3)
+        engine.start(ds)
+        ds, tokens, lps = engine.decode(ds, logprobs=3)
+        assert [key for key in engine.steps.compiled.executables if key[0] == "prefill_rows"]
+        return [np.asarray(x) for x in (logits, first[0], first[1], tokens, *lps)]
+
+    model, _ = _one_device("dense", ckpt)
+    for got, want in zip(run(shard_model(model, make_mesh(4))), run(model)):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
 def test_split_model_runs_its_kernels_per_shard(ckpt):
