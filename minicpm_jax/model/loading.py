@@ -124,7 +124,10 @@ def load_model(
     kwargs = dict(max_length=max_length, attention_impl=attention_impl, dtype=dtype, sparse=sparse, mesh=mesh)
     if is_native(path):
         model = abstract_model(config, quant=native_quant(path), **kwargs)
-        model = fill_model(model, read_native(path, param_shapes(model)))
+        # The checkpoint holds the one-device shapes (a split model's are padded and reordered on filling);
+        # it is restored on one device, so a model larger than one device loads from safetensors instead.
+        stored = model if mesh is None else abstract_model(config, quant=native_quant(path), **dict(kwargs, mesh=None))
+        model = fill_model(model, read_native(path, param_shapes(stored)))
     else:
         files = safetensors_files(path)
         config = resolve_tied_head(config, set(files))

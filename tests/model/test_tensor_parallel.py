@@ -274,6 +274,12 @@ def test_split_model_saves_and_converts_as_one_device(ckpt, tmp_path):
     back = load_model(str(tmp_path), dtype=jnp.float32, max_length=MAX_LEN, attention_impl="xla", sparse="off")
     for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(one)), nnx.to_flat_state(nnx.state(back))):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
+    # A native checkpoint read straight into a mesh: the same arrays as splitting the one-device model.
+    native = load_model(str(tmp_path), dtype=jnp.float32, max_length=MAX_LEN, attention_impl="xla", sparse="off",
+                        mesh=make_mesh(4))
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(split)), nnx.to_flat_state(nnx.state(native))):
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
+        assert a[...].sharding.spec == b[...].sharding.spec
     # int4 at load time on a split model: the same codes as converting on one device, in the stored layout.
     quantized = convert_model(split, QuantSpec(group_size=16))
     want = convert_model(one, QuantSpec(group_size=16))
