@@ -5,9 +5,9 @@ Two scenarios, each per server configuration (``--server NAME=FLAGS``, repeatabl
 with ``--draft_path``):
 
 * ``load`` — closed-loop clients at each of ``--concurrency`` (1, 8, 32): each client sends its next
-  request when the last has ended, ``--requests`` in all per level (after one warm-up request); the
-  clients' first requests are spread over the warm-up request's latency (users arrive independently, not
-  in one synchronised wave, whose last prompt waits for all the others'). Prompts of
+  request when the last has ended, ``--requests`` in all per level (after two warm-up requests); the
+  clients' first requests are spread over the second warm-up request's latency (users arrive
+  independently, not in one synchronised wave, whose last prompt waits for all the others'). Prompts of
   about ``--prompt_tokens`` tokens, outputs of ``--max_tokens`` (each request a deterministic draw between
   half of it and all of it, so clients do not stay in lock-step), ``ignore_eos`` so every request runs
   its length. Reported: output tokens/s and requests/s over the level's wall time; TTFT (send → first
@@ -307,8 +307,12 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             client = Client(args.url or server.url, args.api_key, args.model)
             client.calibrate()
-            warm = client.stream(client.prompt(args.prompt_tokens, 7), args.max_tokens)  # warm-up
-            spread = warm["done"] - warm["sent"]  # clients' first requests spread over one request's time
+            # Two warm-up requests: the first may still meet compilations (another server's, or shapes a
+            # server compiles lazily); the second's latency is one request's time, over which the clients'
+            # first requests are spread.
+            for seed in (7, 8):
+                warm = client.stream(client.prompt(args.prompt_tokens, seed), args.max_tokens)
+            spread = warm["done"] - warm["sent"]
             run = {"name": name or args.url, "server_flags": server_flags, "levels": []}
             if "load" in scenarios:
                 for c in levels:

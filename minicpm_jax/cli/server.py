@@ -108,7 +108,10 @@ def _serve() -> None:
         FLAGS.decode_block = SERVER_DECODE_BLOCK  # make_engine reads it (with a draft: rounds per block)
     engine = make_engine(model, batch_size=FLAGS.max_batch_size)
     budget = FLAGS.prefill_budget or AUTO_PREFILL_BUDGET.get(jax.default_backend(), ACCELERATOR_PREFILL_BUDGET)
-    scheduler = Scheduler(engine, max_queue=FLAGS.max_queue, prefill_budget=min(budget, engine.chunk_length))
+    # On an accelerator a decode step (a few ms) is short against the host's scheduling and the HTTP
+    # threads' share of the interpreter lock: dispatch the next block before waiting for the one in flight.
+    scheduler = Scheduler(engine, max_queue=FLAGS.max_queue, prefill_budget=min(budget, engine.chunk_length),
+                          overlap=jax.default_backend() != "cpu")
     stops = stop_token_ids(model.config, tokenizer, model_path)
     t = time.perf_counter()
     _warm_up(scheduler, tokenizer, stops)
@@ -181,15 +184,15 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def _warm_up(scheduler, tokenizer, stops: list[int]) -> None:
-    """Compiles what requests meet before the first arrives: a prompt piece of one slot alone (the chunk
-    width of a long prompt's pieces), two short prompts sharing a chunk (every slot's forward), the first
-    token and the decode block, with and without log-probabilities. Shorter pieces' widths compile when
-    first met."""
+    """Compiles what requests meet before the first arrives: every prefill shape the scheduler can
+    dispatch (:meth:`~minicpm_jax.engine.scheduler.Scheduler.compile_prefill`), then through requests the
+    first token and the decode block, with and without log-probabilities."""
     from minicpm_jax.engine.sampling import SamplingParams
     from minicpm_jax.engine.scheduler import Request
     from minicpm_jax.tokenizer import encode_prompt
 
     ids = encode_prompt(tokenizer, "Hello", use_chat_template=False) or [0]
+    scheduler.compile_prefill(ids[0])
     long = (ids * scheduler.piece)[: min(scheduler.piece, scheduler.engine.max_length - 3)]
     short = long[: max(1, len(long) // 2)]
     errors = []

@@ -94,12 +94,21 @@ class Scheduler:
       prefill_budget: prompt tokens prefilled per step (default ``engine.chunk_length``). A longer prompt
         is fed in pieces of this many tokens (at most ``chunk_length``), one piece per step, so running
         rows advance a decode block between pieces instead of waiting for the whole prompt; shorter
-        prompts share a step while their pieces fit the budget (and run in the same chunk width).
+        prompts share a step while their pieces fit the budget (and run in the same chunk width, at most
+        :meth:`max_rows` of them).
         Piece boundaries depend on the prompt alone, so a prompt is computed the same way whatever else
         runs.
+      overlap: dispatch each step's work before waiting for the decode block in flight, so the device
+        always has the next block queued and never waits for the host between blocks (the host's
+        scheduling, the tokens' delivery and the HTTP threads' share of the interpreter lock hide behind
+        the device's work). A request then starts one block later and a freed slot is reused one block
+        later. Worth it where a decode step is short against the host's work (a GPU); without it (the
+        default) a step waits for the block in flight first, and the host's work between two blocks is
+        device idle time.
     """
 
-    def __init__(self, engine: Engine, max_queue: int = 64, prefill_budget: int | None = None):
+    def __init__(self, engine: Engine, max_queue: int = 64, prefill_budget: int | None = None,
+                 overlap: bool = False):
         if max_queue < 0:
             raise MiniCPMError(f"max_queue must be >= 0, got {max_queue}")
         budget = engine.chunk_length if prefill_budget is None else prefill_budget
@@ -109,6 +118,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.prefill_budget = budget
         self.piece = min(budget, engine.chunk_length)  # tokens of one prompt per step
+        self.overlap = overlap
         self.slots: list[Request | None] = [None] * engine.batch_size
         self._fed = [0] * engine.batch_size  # prompt tokens of each slot's request in the cache
         self._admitted = [0] * engine.batch_size  # admission order (oldest prompt first)
@@ -242,9 +252,10 @@ class Scheduler:
         decode block of the running rows, then hand out the finished block's tokens and the new first
         tokens while the device runs the next block. A request that arrives during a block is prefilled
         right after it; a host-side stop (stop string, cancellation) takes effect a block later (the
-        extra tokens are dropped)."""
+        extra tokens are dropped). With ``overlap`` the wait is left to the delivery of the block in flight,
+        after the next block is dispatched behind it: the same decisions, a block later."""
         pending, self._pending = self._pending, None
-        if pending is not None:
+        if pending is not None and not self.overlap:
             jax.block_until_ready(pending[2])
         self._admit()
         self._drop_cancelled()
@@ -291,13 +302,14 @@ class Scheduler:
         if not waiting:
             return None
         rows: list[list[int]] = [[] for _ in range(eng.batch_size)]
-        width, used = None, 0
+        width, used, count = None, 0, 0
         for slot in waiting:
             rest = self.slots[slot].prompt_ids[self._fed[slot]:]
             n = min(self.piece, len(rest))
-            if width is not None and (used + n > self.prefill_budget or eng.chunk_size(n) != width):
+            if width is not None and (used + n > self.prefill_budget or eng.chunk_size(n) != width
+                                      or count == self.max_rows(width)):
                 continue
-            width, used = eng.chunk_size(n), used + n
+            width, used, count = eng.chunk_size(n), used + n, count + 1
             rows[slot] = rest
         logits = eng.prefill_chunk(rows, self.piece)
         complete = []
@@ -321,6 +333,34 @@ class Scheduler:
         self._ds, *lps = eng.first_token(ds, logits, m, logprobs=k) if k else (eng.first_token(ds, logits, m),)
         eng.start(self._ds, m)
         return complete, (self._ds.tok, self._ds.done, self._ds.finish, lps[0] if k else None)
+
+    def max_rows(self, width: int) -> int:
+        """Prompts one prefill step takes at chunk width ``width``: as many as ``width``-token pieces fit
+        the budget (at least one). This bounds the forward to about ``prefill_budget`` tokens however short
+        the prompts, and the compiled shapes to :meth:`prefill_shapes`."""
+        return max(1, self.prefill_budget // width)
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every (prompt rows, piece tokens) a prefill step of this scheduler can dispatch, one per compiled
+        program of the engine (its chunk widths, and its :meth:`~Engine.prefill_row_count` buckets of up to
+        :meth:`max_rows` rows): what a server compiles before it accepts requests."""
+        eng = self.engine
+        shapes = {}
+        for n in range(1, self.piece + 1):
+            width = eng.chunk_size(n)
+            for live in range(1, min(self.max_rows(width), eng.batch_size) + 1):
+                shapes.setdefault((eng.prefill_row_count(live), width), (live, min(width, self.piece)))
+        return sorted(shapes.values())
+
+    def compile_prefill(self, token: int = 0) -> None:
+        """Runs a prefill step of every shape of :meth:`prefill_shapes` (prompts of ``token`` repeated) and
+        forgets them: compiles what prompts will meet, so no request waits for a compilation (on a GPU one
+        takes seconds and stalls every running stream). Only before :meth:`start`, with every slot idle."""
+        if self._thread is not None or any(self.slots):
+            raise MiniCPMError("compile_prefill runs before the scheduler starts, with every slot idle")
+        for live, n in self.prefill_shapes():
+            self.engine.prefill_chunk([[token] * (n + 1)] * live, n)
+        self.engine.reset()
 
     def _logprobs(self, slots: list[int]) -> int:
         """The alternatives a step computes: ``TOP_LOGPROBS`` if a request of ``slots`` asks for any, else 0

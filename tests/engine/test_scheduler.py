@@ -39,7 +39,8 @@ def _request(prompt, budget, sampling=SamplingParams(), stops=(), halt_after=Non
     return Request(list(prompt), sampling, budget, list(stops), on_tokens, on_finish), record
 
 
-def test_joining_requests_match_solo_generation(tiny_model):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_joining_requests_match_solo_generation(tiny_model, overlap):
     rng = np.random.default_rng(0)
     vocab = tiny_model.config.vocab_size
     specs = [(rng.integers(0, vocab, n), b, SamplingParams(temperature=t, seed=s))
@@ -51,7 +52,8 @@ def test_joining_requests_match_solo_generation(tiny_model):
         (res,), _ = solo.generate([list(prompt)], sampling=sampling, max_new_tokens=budget, stop_token_ids=[7])
         expected.append((res.token_ids, res.finish_reason))
 
-    sched = Scheduler(Engine(tiny_model, batch_size=3, chunk_length=16, decode_block=4), max_queue=16)
+    sched = Scheduler(Engine(tiny_model, batch_size=3, chunk_length=16, decode_block=4), max_queue=16,
+                      overlap=overlap)
     reqs = [_request(p, b, s, stops=[7]) for p, b, s in specs]
     # Requests arrive while others are running: two now, the rest one per scheduler step.
     for req, _ in reqs[:2]:
@@ -94,8 +96,9 @@ def test_host_stop_cancel_and_queue_limit(tiny_model):
         sched.submit(_request(list(range(96)), 5)[0])
 
 
-def test_scheduler_thread_serves_and_stops(tiny_model):
-    sched = Scheduler(Engine(tiny_model, batch_size=2, chunk_length=16, decode_block=4), max_queue=8)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_scheduler_thread_serves_and_stops(tiny_model, overlap):
+    sched = Scheduler(Engine(tiny_model, batch_size=2, chunk_length=16, decode_block=4), max_queue=8, overlap=overlap)
     sched.start()
     finished, all_done = [], threading.Event()
 
@@ -266,3 +269,39 @@ def test_speculative_rounds_with_continuous_batching_give_plain_greedy_tokens():
     # The draft saw each row's pairs as it does alone (its state per row: pending pairs of rows joining a
     # running batch, a reused slot's pairs forgotten), so every round accepted what it accepts alone.
     assert list(np.asarray(spec.accept_counts())) == list(solo_counts) and sched.accept_counts == list(solo_counts)
+
+
+def test_prefill_steps_run_only_the_precompiled_shapes_over_their_own_rows(tiny_model):
+    """A server compiles every prefill shape before its first request (``compile_prefill``): prompts of
+    any length arriving together then meet no new program (a compilation would stall every stream), each
+    step reads at most ``max_rows`` prompts, over those rows (padded to a power of two) and not every slot,
+    and every request still gives its solo tokens."""
+    rng = np.random.default_rng(11)
+    vocab = tiny_model.config.vocab_size
+    prompts = [list(rng.integers(0, vocab, n)) for n in (5, 40, 17, 2, 33, 9, 70, 3, 12, 26)]
+    solo = Engine(tiny_model, batch_size=1, chunk_length=16, decode_block=2)
+    want = [solo.generate([p], max_new_tokens=4)[0][0].token_ids for p in prompts]
+
+    engine = Engine(tiny_model, batch_size=8, chunk_length=64, decode_block=2)
+    assert [engine.prefill_row_count(n) for n in (1, 2, 3, 4, 5, 8)] == [1, 2, 4, 4, 8, 8]
+    sched = Scheduler(engine, max_queue=16, prefill_budget=64)
+    assert sched.max_rows(32) == 2 and sched.max_rows(64) == 1
+    assert sched.prefill_shapes() == [(1, 32), (1, 64), (2, 32)]
+    sched.compile_prefill()
+    programs = {k for k in engine.steps.compiled.executables if k[0].startswith("prefill")}
+    assert {k[1] for k in programs} == {(1, 32), (2, 32), (1, 64)} and all(k[0] == "prefill_rows" for k in programs)
+
+    recs = [_request(p, 4) for p in prompts]
+    for req, _ in recs:
+        sched.submit(req)
+    steps = 0
+    while sched.active or sched.queued:
+        sched.step()
+        steps += 1
+        assert steps < 200
+    assert {k for k in engine.steps.compiled.executables if k[0].startswith("prefill")} == programs
+    assert [req.output for req, _ in recs] == want
+    with pytest.raises(MiniCPMError, match="before the scheduler starts"):
+        sched.submit(_request(prompts[0], 50)[0])
+        sched.step()
+        sched.compile_prefill()
