@@ -214,11 +214,9 @@ class Engine:
         return min(self.chunk_length, max(MIN_CHUNK, 1 << (max(tokens, 1) - 1).bit_length()))
 
     def prefill_row_count(self, live: int) -> int:
-        """The rows a prefill step with ``live`` prompt rows computes: the next power of two, or every slot
-        (``batch_size``) when that is not fewer, or when the step set keeps per-row state beside the cache
-        (speculative)."""
-        rows = 1 << (max(live, 1) - 1).bit_length()
-        return rows if self.steps.prefills_rows and rows < self.batch_size else self.batch_size
+        """The rows a prefill step with ``live`` prompt rows computes: the next power of two, at most every
+        slot (``batch_size``)."""
+        return min(1 << (max(live, 1) - 1).bit_length(), self.batch_size)
 
     def prefill_chunk(self, rows: Sequence[Sequence[int]], size: int) -> jax.Array:
         """One prefill step: appends the first ``min(size, len(rows[i]))`` tokens of ``rows[i]`` to slot
@@ -228,11 +226,11 @@ class Engine:
         rows: what is left of each slot's prompt; past the piece it is only read as lookahead (the token
         after the piece, which a speculative draft pairs with the piece's last feature), so a prompt fed
         as consecutive pieces (``rows[i][size:]`` next time) caches what :meth:`prefill` of the whole
-        prompt would. With plain steps the forward runs over the non-empty rows alone (their cache rows
-        taken out and put back, padded to :meth:`prefill_row_count` rows with empty ones: the cost of those
-        rows, not of ``batch_size``); otherwise over every slot with the others masked, as :meth:`prefill`
-        does. This is how a server interleaves a long prompt with the decode steps of running rows.
-        Returns each slot's last-piece-token logits ``f32[B, V]`` (zeros for empty rows)."""
+        prompt would. The forward runs over the non-empty rows alone (their cache rows taken out and put
+        back, padded to :meth:`prefill_row_count` rows with empty ones: the cost of those rows, not of
+        ``batch_size``), or when that is every slot over all of them, the empty ones masked, as
+        :meth:`prefill` does. This is how a server interleaves a long prompt with the decode steps of
+        running rows. Returns each slot's last-piece-token logits ``f32[B, V]`` (zeros for empty rows)."""
         if not 1 <= size <= self.chunk_length:
             raise MiniCPMError(f"a prefill piece takes 1..{self.chunk_length} tokens (chunk_length), got {size}")
         rows = [list(r) for r in rows] + [[]] * (self.batch_size - len(rows))
@@ -245,9 +243,9 @@ class Engine:
         following = PrefillChunk.of([r[1 : n + 1] for r, n in zip(rows, take)], 0, c, self.batch_size)
         chunk = dataclasses.replace(pieces, next_tokens=following.tokens, next_valid=following.num_valid)
         mode = self.chunk_mode(self.cache_lengths() if self.model.sparse_active else None, chunk)
-        # A few prompts among many slots: plain steps run them over those rows' caches alone, padded to a
-        # power-of-two row count with idle rows (few compiled shapes); step sets that keep state per row
-        # beside the cache (speculative) run every row, the rest masked. Computing every slot costs
+        # A few prompts among many slots run over those rows' caches alone (a speculative step set takes its
+        # draft's rows with them), padded to a power-of-two row count with idle rows (few compiled shapes);
+        # with as many rows as slots, the plain chunk program runs. Computing every slot costs
         # batch_size / len(live) times the work: on an H100 with 32 slots of the 8B shape, running streams
         # waited up to ~130 ms (gap p99) while short prompts were read that way.
         rows_run = self.prefill_row_count(len(live))

@@ -160,7 +160,6 @@ class PlainSteps:
     """
 
     reuse_margin = 0
-    prefills_rows = True  # has :meth:`prefill_rows`: a chunk of some slots run over their cache rows alone
 
     def __init__(self, model: MiniCPMForCausalLM, *, decode_block: int):
         self.model = model

@@ -237,8 +237,9 @@ def _bigram_pair(vocab=24, max_length=96):
 
 def test_speculative_rounds_with_continuous_batching_give_plain_greedy_tokens():
     """A speculative engine behind the scheduler: requests joining at different times, one prompt read in
-    pieces while others run speculative rounds, give exactly the plain greedy tokens; a round emits its
-    accepted tokens together (blocks of several tokens), as many per round as alone."""
+    pieces (over their own rows) while others run speculative rounds, give exactly the plain greedy
+    tokens; a round emits its accepted tokens together (blocks of several tokens), as many per round as
+    alone."""
     from minicpm_jax.engine.speculative.engine import SpeculativeEngine
     from minicpm_jax.engine.speculative.rounds import SpecConfig
 
@@ -269,6 +270,8 @@ def test_speculative_rounds_with_continuous_batching_give_plain_greedy_tokens():
     # The draft saw each row's pairs as it does alone (its state per row: pending pairs of rows joining a
     # running batch, a reused slot's pairs forgotten), so every round accepted what it accepts alone.
     assert list(np.asarray(spec.accept_counts())) == list(solo_counts) and sched.accept_counts == list(solo_counts)
+    # Prompt pieces ran over their own rows (target and draft caches), never over all three slots.
+    assert {k[0] for k in spec.steps.compiled.executables if k[0].startswith("prefill")} == {"prefill_rows"}
 
 
 def test_prefill_steps_run_only_the_precompiled_shapes_over_their_own_rows(tiny_model):

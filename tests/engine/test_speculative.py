@@ -2,6 +2,7 @@
 FR-Spec, EAGLE-3 and int4 drafts, sparse targets, draft checkpoints and converters. The tree-attention
 kernel: ``tests/kernels/test_tree_attention.py``."""
 
+import dataclasses
 import pickle
 import zipfile
 
@@ -470,3 +471,43 @@ def test_int4_gptq_draft_equals_its_dequantized_dense_draft(pair, plain_greedy, 
         load("int4")
     with pytest.raises(MiniCPMError, match="dense drafts"):
         save_draft(int4_draft, str(tmp_path / "again"))
+
+
+def test_spec_prefill_rows_equals_the_masked_chunk_over_every_row():
+    """A prompt piece of some slots run over their target and draft cache rows alone (what a server does
+    while other slots decode) gives what the chunk over every slot gives, the others masked: the same
+    cache and draft-cache rows, logits and final features for the live slots, the others untouched."""
+    from minicpm_jax.engine.speculative.rounds import spec_prefill_chunk, spec_prefill_rows
+
+    cfg = ModelConfig.from_dict(tiny_minicpm_config())
+    model = MiniCPMForCausalLM(cfg, max_length=48, attention_impl="xla", dtype=jnp.float32, rngs=nnx.Rngs(2))
+    draft = EagleDraft(DraftSpec.for_target(cfg), max_length=48, attention_impl="xla", dtype=jnp.float32,
+                       rngs=nnx.Rngs(3))
+    (g, s), (dg, ds) = nnx.split(model), nnx.split(draft)
+    rng = np.random.default_rng(0)
+    b, c = 4, 8
+
+    def filled(cache, lengths):  # earlier tokens' K/V: random, so every row differs
+        return dataclasses.replace(cache, k=jnp.asarray(rng.normal(size=cache.k.shape), jnp.float32),
+                                   v=jnp.asarray(rng.normal(size=cache.v.shape), jnp.float32),
+                                   lengths=jnp.asarray(lengths, jnp.int32))
+
+    cache = filled(model.new_cache(b), [3, 5, 0, 7])
+    dcache = filled(draft.new_cache(b, 48), [2, 4, 0, 6])
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, c)), jnp.int32)
+    following = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, c)), jnp.int32)
+    num_valid, draft_valid = jnp.asarray([0, 5, 0, 8], jnp.int32), jnp.asarray([0, 4, 0, 8], jnp.int32)
+    last_feat = jnp.asarray(rng.normal(size=(b, draft.spec.feature_size)), jnp.float32)
+    want = spec_prefill_chunk(g, s, ds, cache, dcache, tokens, following, num_valid, draft_valid,
+                              jnp.zeros((b, cfg.vocab_size), jnp.float32), last_feat, dgraph=dg)
+    idx = jnp.asarray([1, 3], jnp.int32)
+    got = spec_prefill_rows(g, s, ds, cache, dcache, idx, tokens[idx], following[idx], num_valid[idx],
+                            draft_valid[idx], last_feat, dgraph=dg)
+    for w, o, before in ((want[0], got[0], cache), (want[1], got[1], dcache)):
+        np.testing.assert_array_equal(o.lengths, w.lengths)
+        for name in ("k", "v"):
+            np.testing.assert_allclose(getattr(o, name)[:, 1::2], getattr(w, name)[:, 1::2], rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(getattr(o, name)[:, 0::2], getattr(before, name)[:, 0::2])
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-5)  # zeros for the masked slots
+    np.testing.assert_allclose(got[3], want[3], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(got[3][1], last_feat[1]) and np.abs(np.asarray(got[2][3])).sum() > 0

@@ -23,6 +23,7 @@ from minicpm_jax.engine.speculative.rounds import (
     match_target,
     spec_block,
     spec_prefill_chunk,
+    spec_prefill_rows,
 )
 from minicpm_jax.engine.steps import Compiled, PrefillChunk, first_token
 from minicpm_jax.engine.stops import DecodeState
@@ -53,7 +54,6 @@ class EagleSteps:
 
     # The draft needs the target feature of the last reused position, which the tail prefill recomputes.
     reuse_margin = 1
-    prefills_rows = False  # the draft's per-row state sits beside the cache: chunks run every row, masked
 
     def __init__(self, model: MiniCPMForCausalLM, draft: EagleDraft, *, spec: SpecConfig = SpecConfig(),
                  frspec_ids: np.ndarray | None = None, batch_size: int = 1, decode_block: int = 4,
@@ -97,8 +97,12 @@ class EagleSteps:
         decode = spmd(mesh, functools.partial(spec_block, g, dgraph=dg, rounds=decode_block, spec=self.spec,
                                               accept=accept),
                       (s, r, r, r, c, r, r), (c, r, r, r))
+        # prefill_rows(state, dstate, cache, dcache, idx, tokens, next_tokens, num_valid, next_valid, last_feat)
+        rows = spmd(mesh, functools.partial(spec_prefill_rows, g, dgraph=dg), (s, r, c, r, r, r, r, r, r, r),
+                    (c, r, r, r))
         self.compiled = Compiled({
             "prefill": jax.jit(prefill, donate_argnums=(2, 3), static_argnames="mode"),
+            "prefill_rows": jax.jit(rows, donate_argnums=(2, 3), static_argnames="mode"),
             "first": jax.jit(functools.partial(first_token, max_length=model.max_length), static_argnames="sampling"),
             "decode": jax.jit(decode, donate_argnums=(4, 6), static_argnames=("sampling", "mode")),
         })
@@ -129,6 +133,16 @@ class EagleSteps:
         args = (self.state, self.dstate, cache, self.dcache, chunk.tokens, chunk.next_tokens, chunk.num_valid,
                 chunk.next_valid, logits, self.last_feat)
         cache, self.dcache, logits, self.last_feat = self.compiled("prefill", chunk.tokens.shape[1], *args, mode=mode)
+        return cache, logits
+
+    def prefill_rows(self, cache: KVCache, idx: np.ndarray, chunk: PrefillChunk, mode: str):
+        """Runs the rows ``idx int32[b]`` of ``chunk`` over those slots' target and draft cache rows alone
+        (the others are neither computed nor changed); returns (cache, last-token logits ``f32[B, V]``,
+        zeros elsewhere)."""
+        args = (self.state, self.dstate, cache, self.dcache, idx, chunk.tokens[idx], chunk.next_tokens[idx],
+                chunk.num_valid[idx], chunk.next_valid[idx], self.last_feat)
+        cache, self.dcache, logits, self.last_feat = self.compiled("prefill_rows", (len(idx), chunk.tokens.shape[1]),
+                                                                   *args, mode=mode)
         return cache, logits
 
     def first_token(self, cache: KVCache, ds: DecodeState, logits: jax.Array, active: jax.Array,

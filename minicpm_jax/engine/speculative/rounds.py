@@ -36,6 +36,7 @@ from flax import nnx
 from jax import lax
 
 from minicpm_jax.engine.sampling import sample
+from minicpm_jax.engine.steps import put_rows, take_rows
 from minicpm_jax.engine.stops import DecodeState, apply_stops
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.attention import TreeInputs
@@ -335,3 +336,18 @@ def spec_prefill_chunk(graphdef, state, dstate, cache, dcache, tokens, next_toke
     feat = jnp.take_along_axis(features, last_index, axis=1)[:, 0]
     has = (num_valid > 0)[:, None]
     return cache, dcache, jnp.where(has, model.logits(last), last_logits), jnp.where(has, feat, last_feat)
+
+
+def spec_prefill_rows(graphdef, state, dstate, cache, dcache, idx, tokens, next_tokens, num_valid, draft_valid,
+                      last_feat, *, dgraph, mode: str = "dense"):
+    """:func:`spec_prefill_chunk` for the slots ``idx int32[b]`` alone (``tokens`` … ``draft_valid`` are
+    theirs, ``[b, C]`` / ``[b]``): their target and draft cache rows and final features are taken out, run
+    and put back; the other slots are neither computed nor changed. Returns (cache, dcache, logits
+    ``f32[B, V]`` of each row's last real token, zeros for the other slots, last_feat ``[B, F]``)."""
+    b, batch = idx.shape[0], cache.lengths.shape[0]
+    vocab = nnx.merge(graphdef, state).config.vocab_size
+    rows, drows, logits, feat = spec_prefill_chunk(
+        graphdef, state, dstate, take_rows(cache, idx), take_rows(dcache, idx), tokens, next_tokens, num_valid,
+        draft_valid, jnp.zeros((b, vocab), jnp.float32), last_feat[idx], dgraph=dgraph, mode=mode)
+    full = jnp.zeros((batch, vocab), jnp.float32).at[idx].set(logits)
+    return put_rows(cache, idx, rows), put_rows(dcache, idx, drows), full, last_feat.at[idx].set(feat)
