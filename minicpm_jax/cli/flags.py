@@ -261,13 +261,14 @@ def spec_config_from_flags():
                       tree_size=FLAGS.spec_tree_size, window_size=FLAGS.spec_window_size).check()
 
 
-def make_engine(model, *, batch_size: int):
+def make_engine(model, *, batch_size: int, scratch_rows: int = 1):
     """A plain :class:`~minicpm_jax.engine.engine.Engine`, or a speculative one when ``--draft_path`` is
     given (the draft loaded for ``model``, with the FR-Spec subset of ``--frspec_path``)."""
     from minicpm_jax.engine.engine import Engine
 
     if FLAGS.draft_path is None:
-        return Engine(model, batch_size=batch_size, chunk_length=FLAGS.chunk_length, decode_block=FLAGS.decode_block)
+        return Engine(model, batch_size=batch_size, chunk_length=FLAGS.chunk_length, decode_block=FLAGS.decode_block,
+                      scratch_rows=scratch_rows)
     from minicpm_jax.engine.speculative.engine import SpeculativeEngine
     from minicpm_jax.io.frspec import read_frspec
     from minicpm_jax.model.loading import load_draft
@@ -280,4 +281,4 @@ def make_engine(model, *, batch_size: int):
     # decode_block counts rounds here: keep about the same tokens per host round trip.
     rounds = max(1, FLAGS.decode_block // max(1, FLAGS.spec_num_iter))
     return SpeculativeEngine(model, draft, spec=spec_config_from_flags(), frspec_ids=ids, batch_size=batch_size,
-                             chunk_length=FLAGS.chunk_length, decode_block=rounds)
+                             chunk_length=FLAGS.chunk_length, decode_block=rounds, scratch_rows=scratch_rows)

@@ -60,6 +60,14 @@ AUTO_PREFILL_BUDGET = {"cpu": 64}
 ACCELERATOR_PREFILL_BUDGET = 256
 
 
+def scratch_rows(slots: int) -> int:
+    """Cache rows the server's prompt pieces may copy out (:class:`~minicpm_jax.engine.engine.Engine`'s
+    ``scratch_rows``): the largest power of two at most an eighth of the slots, at least one. So a
+    step reads up to that many short prompts over their own rows (not every slot), for at most an eighth
+    more K/V memory: 4 rows at 32 slots, 1 at 8 or fewer."""
+    return 1 << (max(1, slots // 8).bit_length() - 1)
+
+
 def main(argv) -> None:
     from absl import logging
 
@@ -101,12 +109,13 @@ def _serve() -> None:
     if jax.process_count() > 1:
         raise MiniCPMError("the server runs in one process (its scheduler decides every step): use --tensor_parallel "
                            "over this host's devices, or several hosts with `python -m minicpm_jax.run`")
-    # Sized for one row more than the slots: a prompt piece of one slot runs in a copy of that slot's K/V
-    # (Engine.prefill_chunk), the scratch the memory plan must leave room for (--max_length auto).
-    model_path, model, tokenizer, load_s = load_from_flags(progress=True, batch_size=FLAGS.max_batch_size + 1)
+    # Sized for the slots and the scratch rows: prompt pieces run in copies of their slots' K/V
+    # (Engine.prefill_chunk), which the memory plan must leave room for (--max_length auto).
+    scratch = scratch_rows(FLAGS.max_batch_size)
+    model_path, model, tokenizer, load_s = load_from_flags(progress=True, batch_size=FLAGS.max_batch_size + scratch)
     if not FLAGS["decode_block"].present:
         FLAGS.decode_block = SERVER_DECODE_BLOCK  # make_engine reads it (with a draft: rounds per block)
-    engine = make_engine(model, batch_size=FLAGS.max_batch_size)
+    engine = make_engine(model, batch_size=FLAGS.max_batch_size, scratch_rows=scratch)
     budget = FLAGS.prefill_budget or AUTO_PREFILL_BUDGET.get(jax.default_backend(), ACCELERATOR_PREFILL_BUDGET)
     # On an accelerator a decode step (a few ms) is short against the host's scheduling and the HTTP
     # threads' share of the interpreter lock: dispatch the next block before waiting for the one in flight.

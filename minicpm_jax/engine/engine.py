@@ -129,12 +129,16 @@ class Engine:
         speculative engine passes its own (see :class:`~minicpm_jax.engine.speculative.engine.SpeculativeEngine`).
       mesh: split ``model`` over this mesh (tensor parallelism, ``minicpm_jax.model.parallel.make_mesh``)
         unless it already is; a model loaded with ``load_model(..., mesh=)`` needs none.
+      scratch_rows: cache rows a prompt piece (:meth:`prefill_chunk`) may copy out to run over them alone, a
+        power of two; sizing the memory, count them beside ``batch_size`` (the server does).
     """
 
     def __init__(self, model: MiniCPMForCausalLM, *, batch_size: int = 1, chunk_length: int = 256,
-                 decode_block: int = 16, steps=None, mesh: Mesh | None = None):
-        if batch_size < 1 or chunk_length < 1 or decode_block < 1:
-            raise MiniCPMError("batch_size, chunk_length and decode_block must be positive")
+                 decode_block: int = 16, steps=None, mesh: Mesh | None = None, scratch_rows: int = 1):
+        if batch_size < 1 or chunk_length < 1 or decode_block < 1 or scratch_rows < 1:
+            raise MiniCPMError("batch_size, chunk_length, decode_block and scratch_rows must be positive")
+        if scratch_rows & (scratch_rows - 1):
+            raise MiniCPMError(f"scratch_rows must be a power of two, got {scratch_rows}")
         model = split_over(model, mesh)
         if steps is not None and steps.model is not model:
             raise MiniCPMError("the step set runs another model than the engine's")
@@ -144,6 +148,9 @@ class Engine:
         self.batch_size = batch_size
         self.chunk_length = min(chunk_length, self.max_length)
         self.decode_block = decode_block
+        # Cache rows a prompt piece may copy out to run over them alone (prefill_chunk); whoever sizes the
+        # memory leaves room for them beside the batch_size rows.
+        self.scratch_rows = scratch_rows
         self.steps = steps or PlainSteps(model, decode_block=decode_block)
         self.cache = allocate_cache(model, batch_size)
         self.history: list[list[int]] = [[] for _ in range(batch_size)]  # tokens whose KV each row holds
@@ -214,9 +221,10 @@ class Engine:
         return min(self.chunk_length, max(MIN_CHUNK, 1 << (max(tokens, 1) - 1).bit_length()))
 
     def prefill_row_count(self, live: int) -> int:
-        """The rows a prefill step with ``live`` prompt rows computes: the next power of two, at most every
-        slot (``batch_size``)."""
-        return min(1 << (max(live, 1) - 1).bit_length(), self.batch_size)
+        """The rows a prefill step with ``live`` prompt rows computes: the next power of two if that fits
+        ``scratch_rows`` (and is fewer than every slot), else every slot (``batch_size``)."""
+        rows = 1 << (max(live, 1) - 1).bit_length()
+        return rows if rows <= self.scratch_rows and rows < self.batch_size else self.batch_size
 
     def prefill_chunk(self, rows: Sequence[Sequence[int]], size: int) -> jax.Array:
         """One prefill step: appends the first ``min(size, len(rows[i]))`` tokens of ``rows[i]`` to slot
@@ -226,10 +234,9 @@ class Engine:
         rows: what is left of each slot's prompt; past the piece it is only read as lookahead (the token
         after the piece, which a speculative draft pairs with the piece's last feature), so a prompt fed
         as consecutive pieces (``rows[i][size:]`` next time) caches what :meth:`prefill` of the whole
-        prompt would. The forward runs over the non-empty rows alone (their cache rows taken out and put
+        prompt would. Up to ``scratch_rows`` non-empty rows run alone (their cache rows copied out and put
         back, padded to :meth:`prefill_row_count` rows with empty ones: the cost of those rows, not of
-        ``batch_size``), or when that is every slot over all of them, the empty ones masked, as
-        :meth:`prefill` does. This is how a server interleaves a long prompt with the decode steps of
+        ``batch_size``); more run over every slot, the empty ones masked, as :meth:`prefill` does. This is how a server interleaves a long prompt with the decode steps of
         running rows. Returns each slot's last-piece-token logits ``f32[B, V]`` (zeros for empty rows)."""
         if not 1 <= size <= self.chunk_length:
             raise MiniCPMError(f"a prefill piece takes 1..{self.chunk_length} tokens (chunk_length), got {size}")
@@ -243,11 +250,10 @@ class Engine:
         following = PrefillChunk.of([r[1 : n + 1] for r, n in zip(rows, take)], 0, c, self.batch_size)
         chunk = dataclasses.replace(pieces, next_tokens=following.tokens, next_valid=following.num_valid)
         mode = self.chunk_mode(self.cache_lengths() if self.model.sparse_active else None, chunk)
-        # A few prompts among many slots run over those rows' caches alone (a speculative step set takes its
-        # draft's rows with them), padded to a power-of-two row count with idle rows (few compiled shapes);
-        # with as many rows as slots, the plain chunk program runs. Computing every slot costs
-        # batch_size / len(live) times the work: on an H100 with 32 slots of the 8B shape, running streams
-        # waited up to ~130 ms (gap p99) while short prompts were read that way.
+        # A few prompts among many slots run over copies of those rows' caches (a speculative step set takes
+        # its draft's rows with them), padded to a power-of-two row count with idle rows (few compiled
+        # shapes). Computing every slot costs batch_size / len(live) times the work: on an H100 with 32 slots
+        # of the 8B shape, running streams waited up to ~130 ms (gap p99) while short prompts were read so.
         rows_run = self.prefill_row_count(len(live))
         if rows_run < self.batch_size:
             idle = [i for i in range(self.batch_size) if not take[i]]

@@ -336,9 +336,10 @@ class Scheduler:
 
     def max_rows(self, width: int) -> int:
         """Prompts one prefill step takes at chunk width ``width``: as many as ``width``-token pieces fit
-        the budget (at least one). This bounds the forward to about ``prefill_budget`` tokens however short
-        the prompts, and the compiled shapes to :meth:`prefill_shapes`."""
-        return max(1, self.prefill_budget // width)
+        the budget, at most the engine's ``scratch_rows`` (so they run over their own rows, never every
+        slot), at least one. This bounds the forward to about ``prefill_budget`` tokens however short the
+        prompts, and the compiled shapes to :meth:`prefill_shapes`."""
+        return max(1, min(self.prefill_budget // width, self.engine.scratch_rows))
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """Every (prompt rows, piece tokens) a prefill step of this scheduler can dispatch, one per compiled

@@ -416,3 +416,10 @@ def test_n_choices_and_echo(client):
     stream = client.completions.create(model="smollm2", prompt=prompt, max_tokens=5, temperature=0, echo=True,
                                        stream=True)
     assert "".join(c.choices[0].text for c in stream) == echoed.choices[0].text
+
+
+def test_scratch_rows_are_a_power_of_two_up_to_an_eighth_of_the_slots():
+    """The rows the server's prompt pieces may copy out of the cache (the memory plan counts them)."""
+    from minicpm_jax.cli.server import scratch_rows
+
+    assert [scratch_rows(n) for n in (1, 2, 8, 9, 15, 16, 31, 32, 64, 100)] == [1, 1, 1, 1, 1, 2, 2, 4, 8, 8]

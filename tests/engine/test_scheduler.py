@@ -277,18 +277,20 @@ def test_speculative_rounds_with_continuous_batching_give_plain_greedy_tokens():
 def test_prefill_steps_run_only_the_precompiled_shapes_over_their_own_rows(tiny_model):
     """A server compiles every prefill shape before its first request (``compile_prefill``): prompts of
     any length arriving together then meet no new program (a compilation would stall every stream), each
-    step reads at most ``max_rows`` prompts, over those rows (padded to a power of two) and not every slot,
-    and every request still gives its solo tokens."""
+    step reads at most ``max_rows`` prompts (the budget's and the scratch rows' limit), over those rows
+    (padded to a power of two) and not every slot, and every request still gives its solo tokens."""
     rng = np.random.default_rng(11)
     vocab = tiny_model.config.vocab_size
     prompts = [list(rng.integers(0, vocab, n)) for n in (5, 40, 17, 2, 33, 9, 70, 3, 12, 26)]
     solo = Engine(tiny_model, batch_size=1, chunk_length=16, decode_block=2)
     want = [solo.generate([p], max_new_tokens=4)[0][0].token_ids for p in prompts]
 
-    engine = Engine(tiny_model, batch_size=8, chunk_length=64, decode_block=2)
+    one_scratch_row = Scheduler(Engine(tiny_model, batch_size=8, chunk_length=64), prefill_budget=64)
+    assert one_scratch_row.max_rows(32) == 1 and one_scratch_row.prefill_shapes() == [(1, 32), (1, 64)]
+    engine = Engine(tiny_model, batch_size=8, chunk_length=64, decode_block=2, scratch_rows=4)
     assert [engine.prefill_row_count(n) for n in (1, 2, 3, 4, 5, 8)] == [1, 2, 4, 4, 8, 8]
     sched = Scheduler(engine, max_queue=16, prefill_budget=64)
-    assert sched.max_rows(32) == 2 and sched.max_rows(64) == 1
+    assert sched.max_rows(32) == 2 and sched.max_rows(64) == 1  # the budget, not the scratch, limits here
     assert sched.prefill_shapes() == [(1, 32), (1, 64), (2, 32)]
     sched.compile_prefill()
     programs = {k for k in engine.steps.compiled.executables if k[0].startswith("prefill")}

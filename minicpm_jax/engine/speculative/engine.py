@@ -195,12 +195,12 @@ class SpeculativeEngine(Engine):
 
     def __init__(self, model: MiniCPMForCausalLM, draft: EagleDraft, *, spec: SpecConfig = SpecConfig(),
                  frspec_ids: np.ndarray | None = None, batch_size: int = 1, chunk_length: int = 256,
-                 decode_block: int = 4, mesh: Mesh | None = None):
+                 decode_block: int = 4, mesh: Mesh | None = None, scratch_rows: int = 1):
         model = split_over(model, mesh)
         steps = EagleSteps(model, draft, spec=spec, frspec_ids=frspec_ids, batch_size=batch_size,
                            decode_block=decode_block)
         super().__init__(model, batch_size=batch_size, chunk_length=chunk_length, decode_block=decode_block,
-                         steps=steps)
+                         steps=steps, scratch_rows=scratch_rows)
 
     @property
     def spec(self) -> SpecConfig:
