@@ -164,19 +164,33 @@ def test_quantized_model_generates(gptq_dir):
 
 
 @pytest.mark.smollm2
-def test_perplexity_cli_and_quant_flags(smollm2_dir, rtn_dir, perplexities):
+def test_perplexity_cli_and_quant_flags(smollm2_dir, rtn_dir, smollm2_tokenizer, tmp_path):
+    """The CLI's number is the library's, and its --quant flags: on the eval text's first three paragraphs
+    (~360 tokens) with a 256-token context, so still two windows, the second one partial, as the whole text
+    has with the 1024-token context of the quality test (which the three runs need not repeat)."""
+    with open(EVAL_TEXT, encoding="utf-8") as f:
+        text = "\n\n".join(f.read().split("\n\n")[:3])
+    short = tmp_path / "eval_short.txt"
+    short.write_text(text, encoding="utf-8")
+    ids = smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]
+    context = 256
+    assert context < len(ids) - 1 < 2 * context
+    rtn = perplexity(load_model(rtn_dir, dtype=jnp.float32, attention_impl="xla", max_length=context), ids,
+                     context=context)
+
     def ppl(*args):
-        r = subprocess.run([sys.executable, "-m", "minicpm_jax.perplexity", "--text_file", EVAL_TEXT,
-                            "--max_length", str(CONTEXT), "--dtype", "float32", *args],
+        r = subprocess.run([sys.executable, "-m", "minicpm_jax.perplexity", "--text_file", str(short),
+                            "--max_length", str(context), "--dtype", "float32", *args],
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr
+        assert f"over {len(ids) - 2} tokens (context {context}," in r.stdout  # two windows scored
         return float(r.stdout.split()[1])
 
-    assert ppl("--model_path", rtn_dir) == pytest.approx(perplexities["rtn"], rel=1e-4)
+    assert ppl("--model_path", rtn_dir) == pytest.approx(rtn, rel=1e-4)
     # --quant int4 on the dense checkpoint is the same RTN; --quant none dequantizes the int4 one
     assert ppl("--model_path", smollm2_dir, "--quant", "int4", "--quant_group_size", str(GROUP)) == pytest.approx(
-        perplexities["rtn"], rel=1e-3)
-    assert ppl("--model_path", rtn_dir, "--quant", "none") == pytest.approx(perplexities["rtn"], rel=1e-3)
+        rtn, rel=1e-3)
+    assert ppl("--model_path", rtn_dir, "--quant", "none") == pytest.approx(rtn, rel=1e-3)
 
 
 # ------------------------------------------------------------------------------------------ bad input
