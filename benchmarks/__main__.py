@@ -40,7 +40,8 @@ size 1 and, with ``--profile_collectives``, the collectives' kernel time per lay
 
 ``--peer hf`` first runs HF transformers (PyTorch, same GPU, same shape, random weights; see
 ``benchmarks.hf_peer``) on the e2e contexts, in a subprocess before JAX takes the GPU, and adds its rows and our
-ratio to it. Writes JSON (``--json_out``) and markdown (``--markdown_out``); prints the markdown last;
+ratio to it; ``--peer torch`` (or ``hf,torch``) likewise a gpt-fast-style PyTorch decoder, bf16 and tinygemm
+int4 per ``--quants`` (``benchmarks.torch_peer``). Writes JSON (``--json_out``) and markdown (``--markdown_out``); prints the markdown last;
 ``--plot out.png`` draws decode ms/token against context (needs matplotlib; ``--plot_from`` re-plots a
 saved JSON without a GPU).
 """
@@ -56,7 +57,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from benchmarks.collectives import DEFAULT_SIZES, bench_allreduce, collectives_markdown
-from benchmarks.e2e import bench_end_to_end, markdown, run_hf_peer
+from benchmarks.e2e import bench_end_to_end, markdown, run_hf_peer, run_torch_peer
 from benchmarks.int4 import bench_int4, int4_markdown
 from benchmarks.kernels import bench_kernels, kernels_markdown
 from benchmarks.load import bench_load, load_markdown
@@ -110,7 +111,8 @@ flags.DEFINE_integer("chunk_length", 1024, "Prefill chunk length.")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Weight/activation dtype.")
 flags.DEFINE_integer("repeats", 2, "Timed repeats per row (all are reported, to show the spread).")
 flags.DEFINE_integer("max_length", None, "Static cache length (default: largest context + decode_steps + 8).")
-flags.DEFINE_enum("peer", "none", ["none", "hf"], "Also run this peer on the e2e rows (hf: transformers on the GPU).")
+flags.DEFINE_list("peer", [], "Also run these peers on the e2e rows: hf (transformers on the GPU), torch (a "
+                  "gpt-fast-style PyTorch decoder: static cache, CUDA graphs, tinygemm int4); none = no peer.")
 flags.DEFINE_list("peer_attn", ["eager", "sdpa"], "HF attn_implementation values to run with --peer hf.")
 flags.DEFINE_integer("peer_decode_steps", 32, "Tokens the HF peer decodes per timed run.")
 flags.DEFINE_boolean("xla_command_buffers", True, "CUDA graphs for while/conditional bodies, as run and server "
@@ -179,8 +181,15 @@ def _main():
         raise MiniCPMError(f"--max_length {FLAGS.max_length} is too small for context {max(contexts)} + "
                            f"{FLAGS.decode_steps} steps")
     result: dict = {"shape": FLAGS.shape, "argv": sys.argv[1:]}
-    if FLAGS.peer == "hf":  # before JAX allocates GPU memory
+    peers = [p for p in FLAGS.peer if p != "none"]
+    if set(peers) - {"hf", "torch"}:
+        raise MiniCPMError(f"--peer: unknown {', '.join(sorted(set(peers) - {'hf', 'torch'}))} (choose from hf, torch)")
+    if "hf" in peers:  # before JAX allocates GPU memory
         result["peer"] = run_hf_peer(FLAGS.shape, contexts, FLAGS.peer_decode_steps, FLAGS.peer_attn, FLAGS.repeats)
+    if "torch" in peers:
+        quants = [q for q in FLAGS.quants if q in ("none", "int4")]
+        result["torch_peer"] = run_torch_peer(FLAGS.shape, contexts, FLAGS.peer_decode_steps, quants, FLAGS.repeats,
+                                              FLAGS.quant_group_size)
     device = jax.devices()[0].device_kind
     result.update(device=device, jax=jax.__version__)
     tables = []
@@ -237,7 +246,7 @@ def _main():
                                                  profile_collectives=FLAGS.profile_collectives)
                         dump_hlo = None
         result["rows"] = [dict(dataclasses.asdict(r), pct_roofline=r.pct_roofline) for r in rows]
-        tables.append(markdown(rows, bandwidth, flops, device, result.get("peer")))
+        tables.append(markdown(rows, bandwidth, flops, device, result.get("peer"), result.get("torch_peer")))
     text = "\n\n".join(tables)
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:

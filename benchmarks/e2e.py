@@ -159,7 +159,20 @@ def _peer_row(peer: dict | None, attn: str, ctx: int) -> dict | None:
     return None
 
 
-def markdown(rows: list[Row], bandwidth: float, flops: float, device: str, peer: dict | None = None) -> str:
+def _torch_row(peer: dict | None, r: Row) -> dict | None:
+    """The torch peer's row for our row ``r`` (same weights and context; the peer runs one GPU, dense
+    attention, batch 1)."""
+    if r.sparse != "off" or r.tensor_parallel != 1 or r.spmd or r.batch_size != 1:
+        return None
+    quant = "int4" if r.quant.startswith("int4") else r.quant  # ours reads "int4 g128"
+    for p in (peer or {}).get("rows", []):
+        if p["quant"] == quant and p["context"] == r.context:
+            return p
+    return None
+
+
+def markdown(rows: list[Row], bandwidth: float, flops: float, device: str, peer: dict | None = None,
+             torch_peer: dict | None = None) -> str:
     attns = sorted({r["attn"] for r in (peer or {}).get("rows", [])})
     head = ("| shape | attention | weights | sparse | TP | batch | context | max_length | decode ms/token (runs) | "
             "roofline ms | % of roofline | decode vs dense | vs TP 1 | collectives µs/layer | prefill tok/s (runs) | "
@@ -167,6 +180,9 @@ def markdown(rows: list[Row], bandwidth: float, flops: float, device: str, peer:
     sep = "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     for a in attns:
         head += f" HF {a} decode ms/token | ours vs HF {a} decode | HF {a} prefill tok/s |"
+        sep += "---|---|---|"
+    if torch_peer:
+        head += " torch decode ms/token | ours vs torch decode | torch prefill tok/s |"
         sep += "---|---|---|"
     lines = [
         f"device: {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; bf16 matmul {flops / 1e12:.0f} TFLOP/s",
@@ -200,20 +216,47 @@ def markdown(rows: list[Row], bandwidth: float, flops: float, device: str, peer:
             else:
                 hf_ms = statistics.median(p["decode_ms_per_token"])
                 line += f" {hf_ms:.2f} | {hf_ms / r.decode_ms:.1f}x faster | {statistics.median(p['prefill_tok_s']):,.0f} |"
+        if torch_peer:
+            p = _torch_row(torch_peer, r)
+            if p is None or not p["decode_ms_per_token"]:
+                why = "n/a" if p is None or not p["error"] else ("OOM" if "out of GPU memory" in p["error"] else "error")
+                line += f" {why} | n/a | n/a |"
+            else:
+                t_ms = statistics.median(p["decode_ms_per_token"])
+                line += f" {t_ms:.3f} | {t_ms / r.decode_ms:.2f}x | {statistics.median(p['prefill_tok_s']):,.0f} |"
         lines.append(line)
     if peer:
         lines += ["", f"HF peer: transformers {peer['transformers']}, torch {peer['torch']}, LlamaForCausalLM of the same "
                       f"shape, bf16, batch 1, a bare greedy loop of one-token forwards with its default DynamicCache."]
+    if torch_peer:
+        lines += ["", f"torch peer: torch {torch_peer['torch']}, a gpt-fast-style decoder of the same shape (static KV "
+                      f"cache, the one-token step under torch.compile mode {torch_peer['compile']}; int4: tinygemm g128), "
+                      "batch 1; ours vs torch = its ms/token over ours (above 1: we are faster)."]
     return "\n".join(lines)
 
 
-def run_hf_peer(shape: str, contexts: list[int], decode_steps: int, attns: list[str], repeats: int) -> dict:
-    """Runs ``benchmarks.hf_peer`` in a subprocess (before this process takes the GPU)."""
-    cmd = [sys.executable, "-m", "benchmarks.hf_peer", "--shape", shape, "--contexts", ",".join(map(str, contexts)),
-           "--decode_steps", str(decode_steps), "--attn", ",".join(attns), "--repeats", str(repeats)]
+def run_peer(module: str, args: list[str]) -> dict:
+    """Runs ``python -m module args`` (a peer: PyTorch on the same GPU) in a subprocess, before this process
+    takes the GPU; returns the JSON object it prints last."""
+    cmd = [sys.executable, "-m", module, *args]
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    print("  running the HF peer: " + " ".join(cmd[1:]), file=sys.stderr, flush=True)
+    print("  running a peer: " + " ".join(cmd[1:]), file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, env=env, text=True)
     if proc.returncode != 0:
-        raise MiniCPMError(f"the HF peer failed (exit {proc.returncode}); its errors are above")
+        raise MiniCPMError(f"the peer {module} failed (exit {proc.returncode}); its errors are above")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_hf_peer(shape: str, contexts: list[int], decode_steps: int, attns: list[str], repeats: int) -> dict:
+    """``benchmarks.hf_peer``'s rows (HF transformers)."""
+    return run_peer("benchmarks.hf_peer", ["--shape", shape, "--contexts", ",".join(map(str, contexts)),
+                                           "--decode_steps", str(decode_steps), "--attn", ",".join(attns),
+                                           "--repeats", str(repeats)])
+
+
+def run_torch_peer(shape: str, contexts: list[int], decode_steps: int, quants: list[str], repeats: int,
+                   group_size: int) -> dict:
+    """``benchmarks.torch_peer``'s rows (gpt-fast-style PyTorch, bf16 and tinygemm int4)."""
+    return run_peer("benchmarks.torch_peer", ["--shape", shape, "--contexts", ",".join(map(str, contexts)),
+                                              "--decode_steps", str(decode_steps), "--quants", ",".join(quants),
+                                              "--repeats", str(repeats), "--group_size", str(group_size)])

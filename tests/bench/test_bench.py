@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from types import SimpleNamespace
 import subprocess
 import sys
@@ -85,12 +86,13 @@ def test_bench_smoke_on_cpu(tmp_path):
 
 
 def test_bench_int4_smoke_on_cpu(tmp_path):
-    """The int4 scenario times the dequant-GEMM per linear shape; e2e runs dense and int4 rows side by side."""
+    """The int4 scenario times the dequant-GEMM per linear shape; e2e runs dense and int4 rows side by side,
+    each with the torch peer's row of the same weights (``--peer torch``, here on the CPU, uncompiled)."""
     out = tmp_path / "bench.json"
     r = _bench("--scenarios", "int4,e2e", "--shape", "minicpm4-tiny", "--contexts", "24", "--attention_impls", "xla",
                "--quants", "none,int4", "--quant_group_size", "64", "--int4_ms", "1",
                "--int4_kernels", "auto,tile", "--decode_steps", "3", "--decode_block", "2", "--chunk_length", "32", "--dtype", "float32",
-               "--repeats", "1", "--json_out", str(out))
+               "--repeats", "1", "--peer", "torch", "--peer_decode_steps", "2", "--json_out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
     assert [row["quant"] for row in result["rows"]] == ["none", "int4 g64"]
@@ -102,6 +104,12 @@ def test_bench_int4_smoke_on_cpu(tmp_path):
         assert row["seconds"]["int4_kpacked_tile"][0] > 0 and row["config"]["kernel"] == "planes"
     assert "int4_kpacked_tile µs" in r.stdout
     assert "| minicpm4-tiny | xla | int4 g64 | off | 1 | 1 | 24 |" in r.stdout and "int4 dequant-GEMM, group 64" in r.stdout
+    peer = result["torch_peer"]
+    assert peer["device"] == "cpu" and [(p["quant"], p["context"]) for p in peer["rows"]] == [("none", 24), ("int4", 24)]
+    assert "torch decode ms/token" in r.stdout and "torch peer: torch" in r.stdout
+    table = [line for line in r.stdout.splitlines() if line.startswith("| minicpm4-tiny | xla |")]
+    assert len(table) == 2
+    assert all(f"{statistics.median(p['decode_ms_per_token']):.3f} |" in line for p, line in zip(peer["rows"], table))
 
 
 def test_bench_tensor_parallel_smoke_on_cpu(tmp_path):
@@ -180,6 +188,7 @@ def test_plot_from_saved_json(tmp_path):
     (["--scenarios", "e2e,warp"], "unknown warp"),
     (["--attention_impls", "cuda"], "unknown cuda"),
     (["--quants", "int8"], "unknown int8"),
+    (["--peer", "hf,tensorrt"], "--peer: unknown tensorrt"),
     (["--int4_kernels", "auto,marlin_asm"], "unknown marlin_asm"),
     (["--quant_group_size", "24"], "multiple of 16"),
     (["--contexts", "1k"], "--contexts must be integers"),
