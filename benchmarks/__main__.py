@@ -1,7 +1,9 @@
 """Benchmarks: ``python -m benchmarks --scenarios kernels,e2e --shape minicpm4-8b`` (from a checkout).
 
 Every number is printed next to the ceiling it is measured against, taken in the same run: a
-device-to-device copy (memory-bound rows) or a large bf16 matmul (compute-bound rows).
+device-to-device copy (memory-bound rows) or a large bf16 matmul (compute-bound rows), each the faster of
+XLA's and PyTorch's (``copy_``, ``torch.mm``; measured by ``benchmarks.torch_peer --rooflines_only`` in a
+subprocess on a GPU), so that no row reads above its roofline.
 
 Scenarios (``--scenarios``, comma-separated):
 
@@ -49,6 +51,7 @@ saved JSON without a GPU).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import sys
 
@@ -57,7 +60,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from benchmarks.collectives import DEFAULT_SIZES, bench_allreduce, collectives_markdown
-from benchmarks.e2e import bench_end_to_end, markdown, run_hf_peer, run_torch_peer
+from benchmarks.e2e import bench_end_to_end, markdown, run_hf_peer, run_peer, run_torch_peer
 from benchmarks.int4 import bench_int4, int4_markdown
 from benchmarks.kernels import bench_kernels, kernels_markdown
 from benchmarks.load import bench_load, load_markdown
@@ -93,7 +96,10 @@ flags.DEFINE_integer("sparse_decode_layers", 0, "sparse: layers per timed decode
 flags.DEFINE_integer("spec_context", 1024, "spec: context length of the speculative rows.")
 flags.DEFINE_list("spec_tree_sizes", ["16", "32", "64"], "spec: tree sizes of the verify rows (the largest is used for "
                   "the oracle rounds).")
-flags.DEFINE_list("spec_oracle_accept", ["3"], "spec: accept lengths forced by the oracle draft (tokens per round).")
+flags.DEFINE_list("spec_oracle_accept", ["3"], "spec: accept lengths forced by the oracle draft (tokens per round; "
+                  "a fraction such as 2.5 mixes rounds of 2 and 3).")
+flags.DEFINE_enum("spec_sparse", "off", ["off", "on"], "spec: the target's InfLLM-v2 mode (on: the shape's sparse "
+                  "settings, e.g. int4 + InfLLM-v2 + EAGLE at --spec_context 131072, CPM.cu's headline stack).")
 flags.DEFINE_integer("spec_oracle_tree_size", 32, "spec: tree nodes of the oracle rounds.")
 flags.DEFINE_integer("spec_frspec_vocab", 32768, "spec: FR-Spec draft vocabulary of the oracle rounds (0 = full).")
 flags.DEFINE_list("prefill_contexts", ["2048", "8192", "32768"], "kernels: causal prompt lengths.")
@@ -135,6 +141,16 @@ def main(argv):
     except MiniCPMError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def _float_list(name: str, values: list[str]) -> list[float]:
+    try:
+        out = [float(v) for v in values]
+    except ValueError:
+        raise MiniCPMError(f"--{name} must be numbers, got {','.join(values)}") from None
+    if any(v < 1 for v in out):
+        raise MiniCPMError(f"--{name} must be at least 1, got {','.join(values)}")
+    return out
 
 
 def _int_list(name: str, values: list[str]) -> list[int]:
@@ -196,9 +212,16 @@ def _main():
     dtype = jnp.dtype(FLAGS.dtype)
     if {"e2e", "kernels", "int4"} & set(FLAGS.scenarios):
         small = jax.default_backend() == "cpu"  # CPU numbers are for smoke runs only
-        bandwidth = copy_bandwidth(256 * 1024**2 if small else 2 * 1024**3)
-        flops = matmul_flops(1024 if small else 8192)
-        result.update(copy_bandwidth_Bps=bandwidth, matmul_flops=flops)
+        jax_copy = copy_bandwidth(256 * 1024**2 if small else 2 * 1024**3)
+        jax_flops = matmul_flops(1024 if small else 8192)
+        torch_ceilings = {} if small else torch_rooflines(result.get("torch_peer"))
+        # Each roofline is the fastest measured here, by XLA or by PyTorch: a row that beats it is wrong.
+        bandwidth, copy_source = max((jax_copy, "XLA copy"), (torch_ceilings.get("copy_bandwidth_Bps", 0.0), "torch copy_"))
+        flops, matmul_source = max((jax_flops, "XLA dot"), (torch_ceilings.get("matmul_flops", 0.0), "torch.mm"))
+        result.update(copy_bandwidth_Bps=bandwidth, copy_source=copy_source, jax_copy_Bps=jax_copy,
+                      torch_copy_Bps=torch_ceilings.get("copy_bandwidth_Bps"), matmul_flops=flops,
+                      matmul_source=matmul_source, jax_matmul_flops=jax_flops,
+                      torch_matmul_flops=torch_ceilings.get("matmul_flops"))
     if "load" in FLAGS.scenarios:
         result["load"] = bench_load(FLAGS.shape, FLAGS.scratch_dir, dtype, FLAGS.repeats)
         tables.append(load_markdown(result["load"]))
@@ -221,9 +244,10 @@ def _main():
     if "spec" in FLAGS.scenarios:
         result["spec"] = bench_speculative(ModelConfig.from_dict(SHAPES[FLAGS.shape]), FLAGS.spec_context,
                                            _int_list("spec_tree_sizes", FLAGS.spec_tree_sizes),
-                                           _int_list("spec_oracle_accept", FLAGS.spec_oracle_accept), FLAGS.quants,
+                                           _float_list("spec_oracle_accept", FLAGS.spec_oracle_accept), FLAGS.quants,
                                            quant_spec.group_size, dtype, FLAGS.decode_steps, FLAGS.repeats,
-                                           random_model, FLAGS.spec_oracle_tree_size, FLAGS.spec_frspec_vocab)
+                                           random_model, FLAGS.spec_oracle_tree_size, FLAGS.spec_frspec_vocab,
+                                           FLAGS.spec_sparse)
         tables.append(spec_markdown(result["spec"]))
     sizes = _int_list("tensor_parallel", FLAGS.tensor_parallel)
     if "collectives" in FLAGS.scenarios:
@@ -246,7 +270,8 @@ def _main():
                                                  profile_collectives=FLAGS.profile_collectives)
                         dump_hlo = None
         result["rows"] = [dict(dataclasses.asdict(r), pct_roofline=r.pct_roofline) for r in rows]
-        tables.append(markdown(rows, bandwidth, flops, device, result.get("peer"), result.get("torch_peer")))
+        tables.append(markdown(rows, bandwidth, flops, device, result.get("peer"), result.get("torch_peer"),
+                               copy_source, matmul_source))
     text = "\n\n".join(tables)
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
@@ -257,6 +282,21 @@ def _main():
     if FLAGS.plot:
         plot(result, FLAGS.plot)
     print(text)
+
+
+def torch_rooflines(torch_peer: dict | None) -> dict:
+    """PyTorch's copy bandwidth and bf16 matmul FLOP/s (``copy_bandwidth_Bps``, ``matmul_flops``): the torch
+    peer's, or measured by ``benchmarks.torch_peer --rooflines_only`` in a subprocess; empty without a
+    CUDA-enabled torch (the rooflines are then XLA's)."""
+    if torch_peer is not None:
+        return torch_peer
+    if importlib.util.find_spec("torch") is None:
+        return {}
+    try:
+        return run_peer("benchmarks.torch_peer", ["--rooflines_only", "--device", "cuda"])
+    except MiniCPMError as e:
+        print(f"  no PyTorch rooflines ({e}); they are XLA's", file=sys.stderr)
+        return {}
 
 
 if __name__ == "__main__":

@@ -139,8 +139,8 @@ def bench_end_to_end(shape: str, contexts: list[int], batch_size: int, decode_st
                 comm = sum(t for name, t in per_kernel.items() if COLLECTIVE_KERNEL.search(name))
                 allreduce = 1e6 * comm / steps / config.num_layers if tp.size > 1 else None
                 kernels = 1e3 * sum(per_kernel.values()) / steps
-                top = {k: 1e6 * t / steps for k, t in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]}
-                print("  longest kernels, us/step: " + "; ".join(f"{k[:60]} {v:.0f}" for k, v in top.items()),
+                top = {k: 1e6 * t / steps for k, t in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:60]}
+                print("  longest kernels, us/step: " + "; ".join(f"{k[:60]} {v:.0f}" for k, v in list(top.items())[:15]),
                       file=sys.stderr)
         rows.append(Row(shape, impl, qname, ctx, batch_size, max_length, pre, dec, roofline_ms, prefill_roof, sparse,
                         cache_bytes, stats.get("peak_bytes_in_use"), tp.size, mesh is not None, allreduce, kernels,
@@ -172,7 +172,7 @@ def _torch_row(peer: dict | None, r: Row) -> dict | None:
 
 
 def markdown(rows: list[Row], bandwidth: float, flops: float, device: str, peer: dict | None = None,
-             torch_peer: dict | None = None) -> str:
+             torch_peer: dict | None = None, copy_source: str = "XLA copy", matmul_source: str = "XLA dot") -> str:
     attns = sorted({r["attn"] for r in (peer or {}).get("rows", [])})
     head = ("| shape | attention | weights | sparse | TP | batch | context | max_length | decode ms/token (runs) | "
             "roofline ms | % of roofline | decode vs dense | vs TP 1 | collectives µs/layer | prefill tok/s (runs) | "
@@ -185,7 +185,8 @@ def markdown(rows: list[Row], bandwidth: float, flops: float, device: str, peer:
         head += " torch decode ms/token | ours vs torch decode | torch prefill tok/s |"
         sep += "---|---|---|"
     lines = [
-        f"device: {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; bf16 matmul {flops / 1e12:.0f} TFLOP/s",
+        f"device: {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s ({copy_source}); bf16 matmul {flops / 1e12:.0f} "
+        f"TFLOP/s ({matmul_source})",
         "",
         head,
         sep,

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from benchmarks.shapes import linear_shapes
 from benchmarks.timing import device_loop_time
 from minicpm_jax.config import ModelConfig
-from pallas_kernels.int4_matmul import Int4Config, choose_config, default_kernel, int4_matmul, int4_matmul_reference
+from pallas_kernels.int4_matmul import (Int4Config, choose_config, default_kernel, dequantize, int4_matmul,
+                                       int4_matmul_reference)
 
 L2_BYTES = 50 * 1024**2
 MIN_COPIES = 4  # weight copies per timed iteration, at least
@@ -67,6 +68,14 @@ def bench_linear(k: int, n: int, m: int, group_size: int, repeats: int,
     if m > 1:
         runs["xla_dequant_kpacked"] = (
             lambda x_, q_, s_: [int4_matmul_reference(x_, qc, scc, group_size=group_size) for qc, scc in zip(q_, s_)],
+            (x, qw, sc), copies)
+        # The same with the dequantized weight materialised (an optimisation barrier between dequantize and
+        # the dot), so XLA cannot fuse the dequantization into its GEMM: what that fusion costs.
+        runs["xla_dequant_barrier"] = (
+            lambda x_, q_, s_: [jnp.dot(x_, jax.lax.optimization_barrier(dequantize(qc, scc, group_size=group_size,
+                                                                                    dtype=x_.dtype)),
+                                        preferred_element_type=jnp.float32).astype(x_.dtype)
+                                for qc, scc in zip(q_, s_)],
             (x, qw, sc), copies)
     # ~20 GB of weight reads per timed run (several ms): with ~1 GB (a few hundred µs) the fixed cost of
     # launching the jitted loop showed in the per-call times (H200, 2026-11-23: gate_up GEMV 73.5 µs in the

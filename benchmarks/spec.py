@@ -16,11 +16,13 @@ length, random weights of the shape (target) and a random one-layer draft of the
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import sys
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from flax import nnx
 
 from benchmarks.timing import device_loop_time
@@ -31,21 +33,31 @@ from minicpm_jax.engine.speculative.rounds import (
     AcceptRule, DraftTree, SpecConfig, SpecState, catch_up, compact_cache, expand_tree,
 )
 from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.infllm.policy import attention_mode
 from minicpm_jax.model.draft import EagleDraft
 from minicpm_jax.quant import QuantSpec
 
 
-def oracle_accept(k: int, spec: SpecConfig) -> AcceptRule:
+def oracle_accept(k: float, spec: SpecConfig) -> AcceptRule:
     """The benchmark's acceptance rule: every round accepts the draft's best chain down to depth ``k - 1``
     (the deepest node of depth < k with the best draft score, and its ancestors) whatever the tokens, so
     a round costs exactly what a real round with accept length ``k`` costs; the emitted tokens are the
-    target's along that chain."""
-    if not 1 <= k <= spec.max_accept:
+    target's along that chain. A fractional ``k`` (CPM.cu's published 2.5) accepts ``ceil(k)`` tokens in a
+    share ``k - floor(k)`` of the rounds and ``floor(k)`` in the others, picked by a hash of the round's
+    draft scores and the target's token at the root (random weights often repeat one token, the scores
+    still change with the position), so the mean is near ``k``; the measured mean is what a row reports."""
+    lo, hi = math.floor(k), math.ceil(k)
+    if not (1 <= lo and hi <= spec.max_accept):
         raise MiniCPMError(f"--spec_oracle_accept must be in 1..{spec.max_accept} (spec_num_iter + 1), got {k}")
+    share = round(100 * (k - lo))
 
     def rule(tree: DraftTree, target, stored):
-        del target, stored
-        best = jnp.argmax(jnp.where(tree.depth <= k - 1, tree.depth * 1e6 + tree.score, -jnp.inf), axis=1)
+        del stored
+        # Knuth's multiplicative hash of the first child's score bits and the root's target token, in 0..99.
+        seed = lax.bitcast_convert_type(tree.score[:, 1].astype(jnp.float32), jnp.uint32) ^ target[:, 0].astype(jnp.uint32)
+        pick = ((seed * jnp.uint32(2654435761)) >> 16) % 100 < share
+        limit = jnp.where(pick, hi, lo)[:, None] - 1
+        best = jnp.argmax(jnp.where(tree.depth <= limit, tree.depth * 1e6 + tree.score, -jnp.inf), axis=1)
         n = tree.tokens.shape[1]
         return jnp.take_along_axis(tree.mask, best[:, None, None], axis=1)[:, 0] | (jnp.arange(n) == 0)
 
@@ -67,33 +79,36 @@ def _ms(times: list[float]) -> float:
     return 1e3 * statistics.median(times)
 
 
-def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], oracle_accepts: list[int],
+def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], oracle_accepts: list[float],
                       quants: list[str], group_size: int, dtype, decode_steps: int, repeats: int, make_model,
-                      oracle_tree_size: int = 32, frspec_vocab: int = 32768) -> dict:
+                      oracle_tree_size: int = 32, frspec_vocab: int = 32768, sparse: str = "off") -> dict:
     """All rows of the scenario (see the module doc) at one context length, batch 1. Oracle rounds use
     ``oracle_tree_size`` nodes and an FR-Spec draft head of ``frspec_vocab`` ids (0 = the full vocabulary),
-    CPM.cu's default.
+    CPM.cu's default. sparse: the target's InfLLM-v2 mode (``on``: the shape's sparse settings; every
+    row, plain decoding included, then attends sparsely past ``dense_len``).
 
-    make_model(config, max_length, dtype, quant=QuantSpec|None): the random target (``shapes.random_model``)."""
+    make_model(config, max_length, dtype, quant=QuantSpec|None, sparse=str): the random target
+    (``shapes.random_model``)."""
     max_length = context + decode_steps + 128
     prompt = list(np.random.default_rng(0).integers(0, config.vocab_size, context))
-    out: dict = {"context": context, "rows": []}
+    out: dict = {"context": context, "sparse": sparse, "rows": []}
     plain_bf16 = None
     for quant in sorted(quants, key=lambda q: q != "none"):  # the dense baseline first, whatever the flag order
         spec_q = QuantSpec(group_size=group_size) if quant == "int4" else None
-        model = make_model(config, max_length, dtype, quant=spec_q)
+        model = make_model(config, max_length, dtype, quant=spec_q, sparse=sparse)
         draft = EagleDraft(DraftSpec.for_target(config), max_length=max_length, attention_impl=model.attention_impl,
                            dtype=dtype, rngs=nnx.Rngs(1))
         # Plain decode through the engine.
         engine = Engine(model, batch_size=1, chunk_length=1024, decode_block=32)
         engine.generate([prompt], max_new_tokens=decode_steps)
-        plain = []
+        plain, plain_prefill = [], []
         for _ in range(repeats):
             _, st = engine.generate([prompt], max_new_tokens=decode_steps)
             plain.append(st.decode_time / st.decode_tokens)
+            plain_prefill.append(st.prefill_tokens_per_s)
         if plain_bf16 is None:  # dense weights, or int4 when only int4 is asked
             plain_bf16 = _ms(plain)
-        row = {"quant": quant, "plain_ms_per_token": [1e3 * t for t in plain]}
+        row = {"quant": quant, "plain_ms_per_token": [1e3 * t for t in plain], "plain_prefill_tok_s": plain_prefill}
         print(f"  spec {quant}: plain {row['plain_ms_per_token']} ms/token", file=sys.stderr)
 
         # Verify forward vs plain decode forward, chained in one jit.
@@ -105,7 +120,10 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
         def step(state, cache, tokens, depth=None, mask=None):
             m = nnx.merge(gd, state)
             tree = None if depth is None else (depth, mask)
-            logits, _, _ = m(tokens, cache, tree=tree)
+            # The static mode the engine would compile for these lengths (auto would run a tree both ways).
+            mode = (attention_mode(model.sparse.dense_len, context + 1, context + tokens.shape[1])
+                    if model.sparse_active else "auto")
+            logits, _, _ = m(tokens, cache, mode=mode, tree=tree)
             return logits
 
         one = device_loop_time(lambda s, c, t: step(s, c, t), (state, cache, jnp.zeros((1, 1), jnp.int32)), iters=20,
@@ -125,15 +143,16 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
         head = None if ids is None else model.head_rows(jnp.asarray(ids))
         for k in oracle_accepts:
             n = oracle_tree_size
-            spec = SpecConfig(num_iter=max(2, k - 1), topk_per_iter=10, tree_size=n)
+            spec = SpecConfig(num_iter=max(2, math.ceil(k) - 1), topk_per_iter=10, tree_size=n)
             steps = EagleSteps(model, draft, spec=spec, frspec_ids=ids, batch_size=1, decode_block=8,
                                accept=oracle_accept(k, spec))
             seng = Engine(model, batch_size=1, chunk_length=1024, decode_block=8, steps=steps)
             seng.generate([prompt], max_new_tokens=decode_steps)
-            ms, acc = [], None
+            ms, acc, prefill = [], None, []
             for _ in range(repeats):
                 _, st = seng.generate([prompt], max_new_tokens=decode_steps)
                 ms.append(1e3 * st.decode_time / st.decode_tokens)
+                prefill.append(st.prefill_tokens_per_s)
                 acc = st.spec_summary()["mean_accept_length"]
             dgd, dstate = nnx.split(draft)
             a = spec.max_accept
@@ -163,7 +182,7 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
             split = {"draft": _ms(t_draft), "verify": statistics.median(verify_ms), "compact": _ms(t_compact)}
             split["accept_and_rest"] = round_ms - sum(split.values())
             row["oracle"].append({"accept": k, "tree_size": n, "num_iter": spec.num_iter, "frspec_vocab": frspec_vocab,
-                                  "ms_per_token": ms,
+                                  "ms_per_token": ms, "prefill_tok_s": prefill,
                                   "mean_accept_length": acc, "round_ms": round_ms, "split_ms": split,
                                   "speedup_vs_plain": _ms(plain) / statistics.median(ms),
                                   "speedup_vs_plain_bf16": plain_bf16 / statistics.median(ms)})
@@ -176,20 +195,23 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
 
 
 def spec_markdown(r: dict) -> str:
-    lines = [f"Speculative decoding (EAGLE-2 trees, batch 1, context {r['context']}, random weights; "
+    sparse = ", InfLLM-v2 sparse attention" if r.get("sparse") == "on" else ""
+    lines = [f"Speculative decoding (EAGLE-2 trees, batch 1, context {r['context']}{sparse}, random weights; "
              f"plain dense-weight decode {r['plain_bf16_ms_per_token']:.3f} ms/token)", "",
              "| weights | tree | verify ms | plain decode fwd ms | verify / decode |", "|---|---|---|---|---|"]
     for row in r["rows"]:
         for v in row["verify"]:
             lines.append(f"| {row['quant']} | {v['tree_size']} | {statistics.median(v['ms']):.3f} | "
                          f"{statistics.median(row['decode_forward_ms']):.3f} | {v['vs_decode']:.2f}x |")
-    lines += ["", "| weights | oracle accept | tree (FR-Spec ids) | ms/token | plain ms/token | speed-up | vs plain dense | "
-                  "round ms: draft / verify / compact / accept+rest |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| weights | oracle accept | tree (FR-Spec ids) | ms/token | tok/s | prefill tok/s | plain ms/token | "
+                  "speed-up | vs plain dense | round ms: draft / verify / compact / accept+rest |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
         for o in row["oracle"]:
             s = o["split_ms"]
             lines.append(f"| {row['quant']} | {o['mean_accept_length']:.2f} | {o['tree_size']} ({o['frspec_vocab'] or 'all'}) | "
-                         f"{statistics.median(o['ms_per_token']):.3f} | {statistics.median(row['plain_ms_per_token']):.3f} | "
+                         f"{statistics.median(o['ms_per_token']):.3f} | {1e3 / statistics.median(o['ms_per_token']):,.0f} | "
+                         f"{statistics.median(o['prefill_tok_s']):,.0f} | {statistics.median(row['plain_ms_per_token']):.3f} | "
                          f"{o['speedup_vs_plain']:.2f}x | {o['speedup_vs_plain_bf16']:.2f}x | {o['round_ms']:.2f}: "
                          f"{s['draft']:.2f} / {s['verify']:.2f} / {s['compact']:.3f} / {s['accept_and_rest']:.2f} |")
     return "\n".join(lines)

@@ -231,6 +231,23 @@ def test_oracle_rule_accepts_exactly_k():
     summary = stats.as_dict()
     assert summary["mean_accept_length"] == 3.0 and summary["spec_rounds"] == 10
     assert summary["depth_acceptance"] == [1.0, 1.0, 0.0]
-    for k in (0, 5):
+    for k in (0, 5, 4.5):
         with pytest.raises(MiniCPMError, match="spec_oracle_accept"):
             oracle_accept(k, spec)
+
+
+def test_oracle_rule_fractional_accept_mixes_floor_and_ceil_rounds():
+    """A fractional accept length (CPM.cu publishes 2.5) accepts 2 or 3 tokens a round, never another
+    count, with both kinds of rounds occurring, so the measured mean lies strictly between."""
+    config = ModelConfig.from_dict(tiny_minicpm_config(vocab_size=64))
+    model = MiniCPMForCausalLM(config, max_length=160, attention_impl="xla", dtype=jnp.float32, rngs=nnx.Rngs(0))
+    draft = EagleDraft(DraftSpec.for_target(config), max_length=160, attention_impl="xla", dtype=jnp.float32,
+                       rngs=nnx.Rngs(1))
+    spec = SpecConfig(num_iter=3, topk_per_iter=4, tree_size=16)
+    steps = EagleSteps(model, draft, spec=spec, batch_size=1, decode_block=4, accept=oracle_accept(2.5, spec))
+    engine = Engine(model, batch_size=1, chunk_length=16, decode_block=4, steps=steps)
+    _, stats = engine.generate([[3, 9, 17, 4, 22, 5]], max_new_tokens=90)
+    summary = stats.as_dict()
+    depth = summary["depth_acceptance"]  # share of rounds accepting a node at depth 1, 2, 3
+    assert depth[0] == 1.0 and 0.0 < depth[1] < 1.0 and depth[2] == 0.0, depth
+    assert 2.0 < summary["mean_accept_length"] < 3.0

@@ -54,3 +54,11 @@ def test_command_prints_rows_for_both_weight_formats(capsys):
     assert [(r["quant"], r["context"]) for r in out["rows"]] == [("none", 16), ("none", 32), ("int4", 16), ("int4", 32)]
     for r in out["rows"]:
         assert r["error"] is None and len(r["decode_ms_per_token"]) == 1 and r["prefill_tok_s"][0] > 0
+    assert out["copy_bandwidth_Bps"] > 0 and out["matmul_flops"] > 0
+
+
+def test_rooflines_only_measures_the_ceilings_and_no_rows(capsys):
+    """``--rooflines_only`` (what ``python -m benchmarks`` runs on a GPU for the faster roofline): PyTorch's
+    copy bandwidth and matmul FLOP/s, and no decoder rows."""
+    out = torch_peer.main(["--rooflines_only", "--device", "cpu"])
+    assert out["rows"] == [] and out["copy_bandwidth_Bps"] > 0 and out["matmul_flops"] > 0
