@@ -21,8 +21,8 @@ AUTO = "auto"
 BACKENDS: dict[str, ModuleType] = {"xla": xla, "pallas": triton}
 CHOICES = (AUTO, *BACKENDS)
 # What every backend namespace provides (checked by the tests).
-OPS = ("attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul", "select_blocks",
-       "sparse_attention", "tree_attention")
+OPS = ("attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul", "matmul",
+       "select_blocks", "sparse_attention", "tree_attention")
 
 
 class UnknownBackend(ValueError):

@@ -23,10 +23,11 @@ from pallas_kernels.infllm.stage1 import compressed_scores_tiled, score_tile_row
 from pallas_kernels.infllm.stage2 import block_sparse_attention, local_window_attention
 from pallas_kernels.int4_matmul import int4_matmul
 from pallas_kernels.launch import is_power_of_2
+from pallas_kernels.matmul import matmul
 from pallas_kernels.tree_attention import tree_attention
 
 __all__ = ["attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul",
-           "select_blocks", "sparse_attention", "tree_attention"]
+           "matmul", "select_blocks", "sparse_attention", "tree_attention"]
 
 # Query tokens per row up to which sparse_attention takes the decode path (selection + attention in one
 # kernel, after the two stage-1 passes: four launches in all).

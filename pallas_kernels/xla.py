@@ -17,11 +17,12 @@ from pallas_kernels.infllm.select import pool_select_blocks_reference
 from pallas_kernels.infllm.stage1 import compressed_scores_reference
 from pallas_kernels.infllm.stage2 import block_sparse_attention_reference as block_sparse_attention
 from pallas_kernels.int4_matmul import int4_matmul_reference as int4_matmul
+from pallas_kernels.matmul import matmul
 from pallas_kernels.topk import top_k
 from pallas_kernels.tree_attention import tree_attention_reference as tree_attention
 
 __all__ = ["attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul",
-           "select_blocks", "sparse_attention", "tree_attention"]
+           "matmul", "select_blocks", "sparse_attention", "tree_attention"]
 
 
 def compress_windows(k: jax.Array, k1: jax.Array, k2: jax.Array, old_lengths: jax.Array, new_lengths: jax.Array, *,
