@@ -143,21 +143,20 @@ def main(argv):
         sys.exit(2)
 
 
-def _float_list(name: str, values: list[str]) -> list[float]:
-    try:
-        out = [float(v) for v in values]
-    except ValueError:
-        raise MiniCPMError(f"--{name} must be numbers, got {','.join(values)}") from None
-    if any(v < 1 for v in out):
-        raise MiniCPMError(f"--{name} must be at least 1, got {','.join(values)}")
-    return out
-
-
 def _int_list(name: str, values: list[str]) -> list[int]:
+    return _number_list(name, values, int)
+
+
+def _float_list(name: str, values: list[str]) -> list[float]:
+    return _number_list(name, values, float)
+
+
+def _number_list(name: str, values: list[str], kind) -> list:
+    """``values`` as ``kind`` (int or float), each at least 1; MiniCPMError naming the flag otherwise."""
     try:
-        out = [int(v) for v in values]
+        out = [kind(v) for v in values]
     except ValueError:
-        raise MiniCPMError(f"--{name} must be integers, got {','.join(values)}") from None
+        raise MiniCPMError(f"--{name} must be {'integers' if kind is int else 'numbers'}, got {','.join(values)}") from None
     if any(v < 1 for v in out):
         raise MiniCPMError(f"--{name} must be positive, got {','.join(values)}")
     return out

@@ -216,19 +216,26 @@ def test_hf_peer_rows_on_cpu():
         assert row["error"] is None and len(row["decode_ms_per_token"]) == 2 and min(row["prefill_tok_s"]) > 0
 
 
+def _oracle_run(k: float, max_new_tokens: int):
+    """A random tiny target and draft decoding under ``oracle_accept(k)``: (stats summary, spec)."""
+    config = ModelConfig.from_dict(tiny_minicpm_config(vocab_size=64))
+    max_length = 16 + max_new_tokens + 64
+    model = MiniCPMForCausalLM(config, max_length=max_length, attention_impl="xla", dtype=jnp.float32,
+                               rngs=nnx.Rngs(0))
+    draft = EagleDraft(DraftSpec.for_target(config), max_length=max_length, attention_impl="xla", dtype=jnp.float32,
+                       rngs=nnx.Rngs(1))
+    spec = SpecConfig(num_iter=3, topk_per_iter=4, tree_size=16)
+    steps = EagleSteps(model, draft, spec=spec, batch_size=1, decode_block=4, accept=oracle_accept(k, spec))
+    engine = Engine(model, batch_size=1, chunk_length=16, decode_block=4, steps=steps)
+    _, stats = engine.generate([[3, 9, 17, 4, 22, 5]], max_new_tokens=max_new_tokens)
+    return stats.as_dict(), spec
+
+
 def test_oracle_rule_accepts_exactly_k():
     """The spec scenario's acceptance rule (composed into the engine's step set by the benchmark) accepts
     the draft's best chain to depth K-1 whatever the tokens: a random draft over a random target still
     emits K tokens every round; K outside 1..num_iter+1 is refused."""
-    config = ModelConfig.from_dict(tiny_minicpm_config(vocab_size=64))
-    model = MiniCPMForCausalLM(config, max_length=96, attention_impl="xla", dtype=jnp.float32, rngs=nnx.Rngs(0))
-    draft = EagleDraft(DraftSpec.for_target(config), max_length=96, attention_impl="xla", dtype=jnp.float32,
-                       rngs=nnx.Rngs(1))
-    spec = SpecConfig(num_iter=3, topk_per_iter=4, tree_size=16)
-    steps = EagleSteps(model, draft, spec=spec, batch_size=1, decode_block=4, accept=oracle_accept(3, spec))
-    engine = Engine(model, batch_size=1, chunk_length=16, decode_block=4, steps=steps)
-    _, stats = engine.generate([[3, 9, 17, 4, 22, 5]], max_new_tokens=31)
-    summary = stats.as_dict()
+    summary, spec = _oracle_run(3, 31)
     assert summary["mean_accept_length"] == 3.0 and summary["spec_rounds"] == 10
     assert summary["depth_acceptance"] == [1.0, 1.0, 0.0]
     for k in (0, 5, 4.5):
@@ -239,15 +246,7 @@ def test_oracle_rule_accepts_exactly_k():
 def test_oracle_rule_fractional_accept_mixes_floor_and_ceil_rounds():
     """A fractional accept length (CPM.cu publishes 2.5) accepts 2 or 3 tokens a round, never another
     count, with both kinds of rounds occurring, so the measured mean lies strictly between."""
-    config = ModelConfig.from_dict(tiny_minicpm_config(vocab_size=64))
-    model = MiniCPMForCausalLM(config, max_length=160, attention_impl="xla", dtype=jnp.float32, rngs=nnx.Rngs(0))
-    draft = EagleDraft(DraftSpec.for_target(config), max_length=160, attention_impl="xla", dtype=jnp.float32,
-                       rngs=nnx.Rngs(1))
-    spec = SpecConfig(num_iter=3, topk_per_iter=4, tree_size=16)
-    steps = EagleSteps(model, draft, spec=spec, batch_size=1, decode_block=4, accept=oracle_accept(2.5, spec))
-    engine = Engine(model, batch_size=1, chunk_length=16, decode_block=4, steps=steps)
-    _, stats = engine.generate([[3, 9, 17, 4, 22, 5]], max_new_tokens=90)
-    summary = stats.as_dict()
+    summary, _ = _oracle_run(2.5, 90)
     depth = summary["depth_acceptance"]  # share of rounds accepting a node at depth 1, 2, 3
     assert depth[0] == 1.0 and 0.0 < depth[1] < 1.0 and depth[2] == 0.0, depth
     assert 2.0 < summary["mean_accept_length"] < 3.0
