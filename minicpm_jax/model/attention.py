@@ -105,7 +105,7 @@ class Attention(nnx.Module):
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, valid: jax.Array, cache: KVCache, kv_lengths: jax.Array,
-        mode: str = "dense", tree: TreeInputs | None = None, row_scale: jax.Array | None = None,
+        mode: str = "dense", tree: TreeInputs | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """x ``[B, T, hidden]``, positions ``int32[B, T]``, valid ``bool[B, T]``; returns (``[B, T, hidden]``, cache).
 
@@ -118,8 +118,6 @@ class Attention(nnx.Module):
         each node's length) as plain InfLLM-v2 decoding of its ancestor path would
         (:func:`~minicpm_jax.infllm.attention.tree_sparse_attention`). The compressed caches are left to the
         committed tokens (:meth:`extend_compressed` after the accepted path is in place).
-        row_scale: fp32 ``[B, T, 1]`` multiplying ``qkv_proj``'s output (the input norm's row factor when x
-        is ``RMSNorm.weighted``; None: x is already normed).
         """
         cfg = self.config
         ops = self.kernels
@@ -127,8 +125,6 @@ class Attention(nnx.Module):
         d = cfg.head_dim
         nq, nkv = self.q_heads * d, self.kv_heads * d
         qkv = self.qkv_proj(x)
-        if row_scale is not None:  # fp32 [B, T, 1]: a norm's row factor (RMSNorm.weighted)
-            qkv = (qkv.astype(jnp.float32) * row_scale).astype(x.dtype)
         q = qkv[..., :nq].reshape(b, t, self.q_heads, d)
         k = qkv[..., nq : nq + nkv].reshape(b, t, self.kv_heads, d)
         v = qkv[..., nq + nkv :].reshape(b, t, self.kv_heads, d)

@@ -42,12 +42,9 @@ class DecoderLayer(nnx.Module):
                        impl=attention_impl, tp=tp)
 
     def __call__(self, x, positions, valid, cache: KVCache, kv_lengths, mode: str = "dense", tree=None):
-        # Each norm's row factor is applied after the linear it feeds (see RMSNorm.weighted).
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        attn, cache = self.self_attn(norm1.weighted(x), positions, valid, cache, kv_lengths, mode, tree,
-                                     row_scale=norm1.factor(x))
+        attn, cache = self.self_attn(self.input_layernorm(x), positions, valid, cache, kv_lengths, mode, tree)
         x = x + attn * jnp.asarray(self.residual_scale, x.dtype)
-        x = x + self.mlp(norm2.weighted(x), row_scale=norm2.factor(x)) * jnp.asarray(self.residual_scale, x.dtype)
+        x = x + self.mlp(self.post_attention_layernorm(x)) * jnp.asarray(self.residual_scale, x.dtype)
         return x, cache
 
 

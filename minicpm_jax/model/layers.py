@@ -37,23 +37,20 @@ def _row_parallel(axes: Axes, tp: TensorParallel | None) -> bool:
 class Linear(nnx.Module):
     """``y = x @ kernel`` with ``kernel [in_features, out_features]``, no bias; output in x.dtype.
 
-    impl: the kernel backend whose ``matmul`` runs it (a GEMM in every backend; see
-    ``pallas_kernels.matmul``); axes: the kernel's logical axes; tp: the model's :class:`TensorParallel`
-    (None: not split). A row-parallel linear all-reduces its fp32 partial products.
+    axes: the kernel's logical axes; tp: the model's :class:`TensorParallel` (None: not split). A
+    row-parallel linear all-reduces its fp32 partial products.
     """
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs | None, dtype=jnp.float32,
-                 axes: Axes = (EMBED, EMBED), tp: TensorParallel | None = SINGLE, impl: str = "xla"):
+                 axes: Axes = (EMBED, EMBED), tp: TensorParallel | None = SINGLE):
         self.kernel = _normal(rngs, (in_features, out_features), dtype, axes)
         self.tp = tp
-        self.impl = impl
         self.reduce = _row_parallel(axes, tp)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        matmul = backend.get(self.impl).matmul
         if not self.reduce:
-            return matmul(x, self.kernel[...].astype(x.dtype))
-        y = matmul(x, self.kernel[...].astype(x.dtype), preferred_element_type=jnp.float32)
+            return jnp.dot(x, self.kernel[...].astype(x.dtype))
+        y = jnp.dot(x, self.kernel[...].astype(x.dtype), preferred_element_type=jnp.float32)
         return self.tp.all_reduce(y).astype(x.dtype)
 
 
@@ -110,7 +107,7 @@ def make_linear(in_features: int, out_features: int, quant: QuantSpec | None, *,
     """A dense :class:`Linear`, or an :class:`Int4Linear` when the model is quantized (``impl``: the kernel
     backend of its matmul; ``axes``, ``tp``: its logical axes and the model's tensor-parallel layout)."""
     if quant is None:
-        return Linear(in_features, out_features, rngs=rngs, dtype=dtype, axes=axes, tp=tp, impl=impl)
+        return Linear(in_features, out_features, rngs=rngs, dtype=dtype, axes=axes, tp=tp)
     return Int4Linear(in_features, out_features, quant, impl=impl, rngs=rngs, dtype=dtype, axes=axes, tp=tp)
 
 
@@ -139,18 +136,9 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return (x.astype(jnp.float32) * self.factor(x)).astype(x.dtype) * self.weight[...].astype(x.dtype)
-
-    def factor(self, x: jax.Array) -> jax.Array:
-        """``rsqrt(mean(x^2) + eps)`` per row, fp32 ``[..., 1]``."""
         xf = x.astype(jnp.float32)
-        return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-
-    def weighted(self, x: jax.Array) -> jax.Array:
-        """``x * weight`` (the norm without its row factor): a linear of it times :meth:`factor` is the
-        linear of the norm. Split so that XLA can fuse the product into the matmul's operand and the factor
-        into whatever consumes the matmul, instead of a kernel that waits on the reduction."""
-        return x * self.weight[...].astype(x.dtype)
+        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return normed.astype(x.dtype) * self.weight[...].astype(x.dtype)
 
 
 class MLP(nnx.Module):
@@ -164,11 +152,6 @@ class MLP(nnx.Module):
         self.gate_up_proj = make_linear(hidden_size, 2 * intermediate_size, quant, axes=(EMBED, GATE_UP), **linear)
         self.down_proj = make_linear(intermediate_size, hidden_size, quant, axes=(MLP_AXIS, EMBED), **linear)
 
-    def __call__(self, x: jax.Array, row_scale: jax.Array | None = None) -> jax.Array:
-        """x ``[..., hidden]``; row_scale (fp32 ``[..., 1]``, optional): multiplies gate_up's output (a norm's
-        row factor, see :meth:`RMSNorm.weighted`)."""
-        gate_up = self.gate_up_proj(x)
-        if row_scale is not None:
-            gate_up = (gate_up.astype(jnp.float32) * row_scale).astype(x.dtype)
-        gate, up = jnp.split(gate_up, 2, axis=-1)
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
         return self.down_proj(jax.nn.silu(gate) * up)

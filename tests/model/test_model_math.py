@@ -61,20 +61,3 @@ def test_tied_head_and_llama_type(tmp_path):
     path = helpers.write_checkpoint(str(tmp_path / "ckpt"), cfg, weights)
     ids = np.random.default_rng(5).integers(0, cfg["vocab_size"], 33)
     assert helpers.rel_err(_logits(path, ids, 64), oracles.numpy_forward(cfg, weights, ids, 64)) < 1e-4
-
-
-def test_norm_row_factor_after_the_linear_equals_the_norm_before_it():
-    """The decoder layers feed ``RMSNorm.weighted(x)`` to q/k/v and gate/up and scale the product by
-    ``RMSNorm.factor(x)`` (a per-row scalar commutes with the linear): NumPy's RMSNorm followed by the
-    matmul gives the same numbers."""
-    from minicpm_jax.model.layers import RMSNorm
-
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((2, 3, 64)).astype(np.float32) * 3
-    w = rng.standard_normal((64, 40)).astype(np.float32)
-    norm = RMSNorm(64, 1e-5)
-    norm.weight.value = jnp.asarray(rng.uniform(0.5, 1.5, 64).astype(np.float32))
-    want = (x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * np.asarray(norm.weight.value)) @ w
-    got = (norm.weighted(jnp.asarray(x)) @ w) * norm.factor(jnp.asarray(x))
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(norm(jnp.asarray(x)) @ w), want, rtol=1e-5, atol=1e-5)
