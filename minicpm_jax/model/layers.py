@@ -37,20 +37,23 @@ def _row_parallel(axes: Axes, tp: TensorParallel | None) -> bool:
 class Linear(nnx.Module):
     """``y = x @ kernel`` with ``kernel [in_features, out_features]``, no bias; output in x.dtype.
 
-    axes: the kernel's logical axes; tp: the model's :class:`TensorParallel` (None: not split). A
-    row-parallel linear all-reduces its fp32 partial products.
+    impl: the kernel backend whose ``matmul`` runs it (a GEMM in every backend; see
+    ``pallas_kernels.matmul``); axes: the kernel's logical axes; tp: the model's :class:`TensorParallel`
+    (None: not split). A row-parallel linear all-reduces its fp32 partial products.
     """
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs | None, dtype=jnp.float32,
-                 axes: Axes = (EMBED, EMBED), tp: TensorParallel | None = SINGLE):
+                 axes: Axes = (EMBED, EMBED), tp: TensorParallel | None = SINGLE, impl: str = "xla"):
         self.kernel = _normal(rngs, (in_features, out_features), dtype, axes)
         self.tp = tp
+        self.impl = impl
         self.reduce = _row_parallel(axes, tp)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        matmul = backend.get(self.impl).matmul
         if not self.reduce:
-            return jnp.dot(x, self.kernel[...].astype(x.dtype))
-        y = jnp.dot(x, self.kernel[...].astype(x.dtype), preferred_element_type=jnp.float32)
+            return matmul(x, self.kernel[...].astype(x.dtype))
+        y = matmul(x, self.kernel[...].astype(x.dtype), preferred_element_type=jnp.float32)
         return self.tp.all_reduce(y).astype(x.dtype)
 
 
@@ -107,7 +110,7 @@ def make_linear(in_features: int, out_features: int, quant: QuantSpec | None, *,
     """A dense :class:`Linear`, or an :class:`Int4Linear` when the model is quantized (``impl``: the kernel
     backend of its matmul; ``axes``, ``tp``: its logical axes and the model's tensor-parallel layout)."""
     if quant is None:
-        return Linear(in_features, out_features, rngs=rngs, dtype=dtype, axes=axes, tp=tp)
+        return Linear(in_features, out_features, rngs=rngs, dtype=dtype, axes=axes, tp=tp, impl=impl)
     return Int4Linear(in_features, out_features, quant, impl=impl, rngs=rngs, dtype=dtype, axes=axes, tp=tp)
 
 
