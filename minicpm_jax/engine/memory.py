@@ -4,7 +4,7 @@ error, before anything is allocated, for a cache that cannot fit.
 
 Budget = the allocator's limit (a GPU's ``bytes_limit``: JAX preallocates ``XLA_PYTHON_CLIENT_MEM_FRACTION``
 of the card, which the command-line programs set to ``--memory_limit``; on a CPU the free RAM times the
-limit) minus what is already in use, the weights and a workspace for one prefill chunk's activations and
+limit, where free is the kernel's MemAvailable) minus what is already in use, the weights and a workspace for one prefill chunk's activations and
 logits. The cache gets the rest, in whole 64-token blocks, up to the positions the model supports.
 """
 
@@ -55,8 +55,21 @@ def device_budget(memory_limit: float, device: jax.Device | None = None) -> int:
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(free * memory_limit)
+    return int(host_available_bytes() * memory_limit)
+
+
+def host_available_bytes(meminfo: str = "/proc/meminfo") -> int:
+    """Bytes a new allocation can get on this host: the kernel's ``MemAvailable`` (free pages plus the page
+    cache it would reclaim). ``SC_AVPHYS_PAGES`` is only MemFree, which a long run's file reads shrink to
+    little (a CI machine read 1.3 GiB free of 24), so it is the fallback where ``meminfo`` cannot be read."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def workspace_bytes(config: ModelConfig, batch_size: int, chunk_length: int, dtype) -> int:

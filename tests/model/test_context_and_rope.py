@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -179,6 +180,19 @@ def test_auto_max_length_is_the_largest_block_multiple_that_fits():
     assert memory.device_budget(0.5) > 0
     with pytest.raises(MiniCPMError, match="memory_limit"):
         memory.device_budget(1.5)
+
+
+def test_host_memory_counts_the_reclaimable_page_cache(tmp_path):
+    # a host whose RAM is mostly page cache: MemFree is small, MemAvailable is what an allocation can get
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       25165824 kB\nMemFree:         1363148 kB\n"
+                       "MemAvailable:   20971520 kB\nBuffers:          102400 kB\n")
+    assert memory.host_available_bytes(str(meminfo)) == 20 * memory.GiB
+    # without the line (a kernel older than 3.14) or the file, the free pages are all we know
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    meminfo.write_text("MemTotal:       25165824 kB\nMemFree:         1363148 kB\n")
+    assert abs(memory.host_available_bytes(str(meminfo)) - free) < memory.GiB
+    assert abs(memory.host_available_bytes(str(tmp_path / "absent")) - free) < memory.GiB
 
 
 def test_weight_bytes_equal_the_loaded_parameters(tmp_path):
