@@ -111,7 +111,10 @@ class Attention(nnx.Module):
 
         mode (static): ``dense``; ``sparse`` (InfLLM-v2 for every row); ``mixed`` (both, each row taking
         sparse iff ``kv_lengths >= dense_len``). With sparse settings the compressed caches are extended
-        in every mode.
+        here in modes ``sparse`` and ``mixed``, which read them; in mode ``dense`` the caller extends them
+        after the last layer (:meth:`extend_compressed`, as ``MiniCPMForCausalLM.forward`` does), since
+        reading a layer's keys while later layers write into the same buffer makes XLA copy the whole K
+        cache once per layer.
         tree: speculative-tree tokens (:class:`TreeInputs`): token ``i`` is stored at slot
         ``prefix + offset + i`` (``positions`` are then only its RoPE positions) and attends to the prefix
         and to the tree slots its mask names; with sparse settings and mode ``sparse`` (or ``mixed``, by
@@ -161,16 +164,14 @@ class Attention(nnx.Module):
         cache = cache.write(self.layer, k, v, positions, valid, ops.cache_write)
         # The stacked cache goes in whole: kernels read this layer's slice in place.
         dense = lambda: ops.attention(q, cache.k, cache.v, positions, kv_lengths, scale=d**-0.5, layer=self.layer)  # noqa: E731
-        if sp is None:
+        if sp is None or mode == "dense":
             out = dense()
         else:
             cache = extend_compressed(cache, self.layer, positions[:, 0], kv_lengths, sp, max_tokens=t, kernels=ops,
                                       unrotate=self._unrotate(inv_freq, rope_scale))
             sparse_fn = lambda: sparse_attention(  # noqa: E731
                 q, select(), cache, self.layer, positions, kv_lengths, sp, scale=d**-0.5, kernels=ops)
-            if mode == "dense":
-                out = dense()
-            elif mode == "sparse":
+            if mode == "sparse":
                 out = sparse_fn()
             else:
                 use = kv_lengths >= sp.dense_len

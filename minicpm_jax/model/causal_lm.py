@@ -185,6 +185,10 @@ class MiniCPMForCausalLM(nnx.Module):
                     if i in capture:
                         seen[i] = x
                     x, cache = layer(x, positions, valid, cache, kv_lengths, mode, tree)
+                if mode == "dense" and tree is None:
+                    # Dense layers leave the compressed keys to here, once every layer's keys are written
+                    # (see Attention.__call__); trees leave them to the committed path.
+                    cache = self.extend_compressed(cache, positions[:, 0], kv_lengths, t)
                 return x, cache, [seen[i] for i in capture]
             return run
 

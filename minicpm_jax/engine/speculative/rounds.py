@@ -157,8 +157,12 @@ def catch_up(model, draft: EagleDraft, st: SpecState, window: int | None):
 
 def expand_tree(model, draft: EagleDraft, dcache: KVCache, h_last, head, ids, spec: SpecConfig, window):
     """EAGLE-2 expansion. Returns node tokens ``int32[B, N-1]`` (without the root), their depths, their
-    parents (node index, 0 = root; -1 = parent not in the tree), and draft scores, in creation order."""
+    parents (node index, 0 = root; -1 = parent not in the tree), and draft scores, in creation order, and
+    the draft cache: ``dcache`` with the drafted nodes' K/V in the tree slots past its lengths, which no
+    later read sees unmasked (keep it rather than ``dcache``: XLA then writes the nodes in place instead of
+    copying the whole draft cache every round)."""
     b = h_last.shape[0]
+    lengths = dcache.lengths
     k, m = spec.topk_per_iter, spec.draft_slots
     to_token = (lambda i: i) if ids is None else (lambda i: ids[i])
     score, idx = top_k(draft_log_probs(model, draft, h_last, head), k)  # [B, k]
@@ -199,7 +203,8 @@ def expand_tree(model, draft: EagleDraft, dcache: KVCache, h_last, head, ids, sp
     pc = take(parent, sel)
     match = sel[:, None, :] == pc[:, :, None]  # [B, n, n]: selected j is node i's parent
     node_parent = jnp.where(pc < 0, 0, jnp.where(jnp.any(match, axis=2), jnp.argmax(match, axis=2) + 1, -1))
-    return take(tok, sel), take(depth, sel), node_parent.astype(jnp.int32), take(score, sel)
+    return (take(tok, sel), take(depth, sel), node_parent.astype(jnp.int32), take(score, sel),
+            dataclasses.replace(dcache, lengths=lengths))
 
 
 def tree_masks(parent: jax.Array, depth_limit: int) -> jax.Array:
@@ -258,7 +263,7 @@ def run_round(model, draft, head, ids, cache: KVCache, ds: DecodeState, st: Spec
     h_last, dcache = catch_up(model, draft, st, window)
     # Tree (node 0 = root).
     if n > 1:
-        c_tok, c_depth, c_parent, c_score = expand_tree(model, draft, dcache, h_last, head, ids, spec, window)
+        c_tok, c_depth, c_parent, c_score, dcache = expand_tree(model, draft, dcache, h_last, head, ids, spec, window)
         tokens = jnp.concatenate([ds.tok[:, None], c_tok], axis=1)
         depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), c_depth], axis=1)
         parent = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), c_parent], axis=1)
