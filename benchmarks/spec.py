@@ -3,14 +3,15 @@ length, random weights of the shape (target) and a random one-layer draft of the
 
 * plain — ``Engine`` decode, ms/token (the baseline every ratio uses; bf16 unless only int4 is asked).
 * verify — one target forward over an N-node tree (tree-attention kernel, logits of every node) against
-  one plain decode forward (1 token), both timed as chained calls inside one jit.
+  one plain decode forward (1 token), both timed as chained calls inside one jit that write their K/V in
+  place into a carried cache, as the engine does.
 * oracle — the speculative engine (``Engine`` with ``EagleSteps``) whose acceptance rule is
   :func:`oracle_accept` (``--spec_oracle_accept K``): every round accepts the draft's best chain to depth
   K-1 (so exactly K tokens a round, the work of a real round with that accept length); ms/token and the
   speed-up over plain bf16 decode.
-* split — one round's parts timed alone: draft (catch-up of K pairs + tree expansion), verify, KV
-  compaction; "accept" is the rest of the measured round (target sampling over the tree, acceptance,
-  stop checks, bookkeeping).
+* split — one round's parts timed alone, each on carried caches: draft (catch-up of K pairs + tree
+  expansion), verify, KV compaction (with the accepted path's K1/K2 on sparse targets); "accept" is the
+  rest of the measured round (target sampling over the tree, acceptance, stop checks, bookkeeping).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 from jax import lax
 from flax import nnx
 
-from benchmarks.timing import device_loop_time
+from benchmarks.timing import carried_loop_time
 from minicpm_jax.config import DraftSpec, ModelConfig
 from minicpm_jax.engine.engine import Engine
 from minicpm_jax.engine.speculative.engine import EagleSteps
@@ -111,30 +112,39 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
         row = {"quant": quant, "plain_ms_per_token": [1e3 * t for t in plain], "plain_prefill_tok_s": plain_prefill}
         print(f"  spec {quant}: plain {row['plain_ms_per_token']} ms/token", file=sys.stderr)
 
-        # Verify forward vs plain decode forward, chained in one jit.
+        # Verify forward vs plain decode forward, each as the engine runs it: the new tokens' K/V written
+        # in place into a carried cache, whose lengths go back after each call so every call repeats the
+        # same work (stale K/V: cost only).
         gd, state = nnx.split(model)
         cache = model.new_cache(1)
         _, _, cache = model(jnp.asarray([prompt[:1024]]), cache)
-        cache = dataclasses.replace(cache, lengths=jnp.asarray([context], jnp.int32))  # stale K/V: cost only
+        cache = dataclasses.replace(cache, lengths=jnp.asarray([context], jnp.int32))
+        carry = (cache, jnp.zeros((), jnp.float32))
 
-        def step(state, cache, tokens, depth=None, mask=None):
+        def forward(state, tokens, depth, mask, carry):
+            c, probe = carry
             m = nnx.merge(gd, state)
             tree = None if depth is None else (depth, mask)
             # The static mode the engine would compile for these lengths (auto would run a tree both ways).
             mode = (attention_mode(model.sparse.dense_len, context + 1, context + tokens.shape[1])
                     if model.sparse_active else "auto")
-            logits, _, _ = m(tokens, cache, mode=mode, tree=tree)
-            return logits
+            logits, _, c2 = m(tokens, c, mode=mode, tree=tree)
+            return dataclasses.replace(c2, lengths=c.lengths), probe + logits[0, -1, 0].astype(jnp.float32)
 
-        one = device_loop_time(lambda s, c, t: step(s, c, t), (state, cache, jnp.zeros((1, 1), jnp.int32)), iters=20,
-                               repeats=repeats)
+        one, carry = carried_loop_time(forward, (state, jnp.zeros((1, 1), jnp.int32), None, None), carry, iters=20,
+                                       repeats=repeats)
         row["decode_forward_ms"] = [1e3 * t for t in one]
+
+        def time_verify(n, carry):
+            depth, mask = _random_tree(n, 10)
+            args = (state, jnp.zeros((1, n), jnp.int32), jnp.asarray(depth[None]), jnp.asarray(mask[None]))
+            t, carry = carried_loop_time(forward, args, carry, iters=20, repeats=repeats)
+            return [1e3 * x for x in t], carry
+
         row["verify"] = []
         for n in tree_sizes:
-            depth, mask = _random_tree(n, 10)
-            args = (state, cache, jnp.zeros((1, n), jnp.int32), jnp.asarray(depth[None]), jnp.asarray(mask[None]))
-            t = device_loop_time(step, args, iters=20, repeats=repeats, chain=2)
-            row["verify"].append({"tree_size": n, "ms": [1e3 * x for x in t], "vs_decode": _ms(t) / _ms(one)})
+            ms_n, carry = time_verify(n, carry)
+            row["verify"].append({"tree_size": n, "ms": ms_n, "vs_decode": statistics.median(ms_n) / _ms(one)})
             print(f"  spec {quant}: verify {n} nodes {row['verify'][-1]}", file=sys.stderr)
 
         # Oracle rounds through the speculative engine, and the split of one round.
@@ -160,24 +170,32 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
                                                        lengths=jnp.asarray([context], jnp.int32)),
                             pend_tok=jnp.zeros((1, a), jnp.int32), pend_feat=jnp.zeros((1, a, draft.spec.feature_size), dtype),
                             pend_n=jnp.asarray([k], jnp.int32), accepted=jnp.zeros((1, a + 1), jnp.int32))
-
-            def draft_part(state, dstate, pend_tok, st0=st0):
-                m, d = nnx.merge(gd, state), nnx.merge(dgd, dstate)
-                h, dc = catch_up(m, d, dataclasses.replace(st0, pend_tok=pend_tok), spec.window_size or None)
-                return expand_tree(m, d, dc, h, head_, ids_, spec, spec.window_size or None)
-
             head_, ids_ = head, None if ids is None else jnp.asarray(ids)
-            t_draft = device_loop_time(draft_part, (state, dstate, st0.pend_tok), iters=20, repeats=repeats)
+
+            def draft_part(state, dstate, st0, carry):
+                # The round's draft work on a carried draft cache, as run_round keeps it.
+                dc, probe = carry
+                m, d = nnx.merge(gd, state), nnx.merge(dgd, dstate)
+                h, dc2 = catch_up(m, d, dataclasses.replace(st0, dcache=dc), spec.window_size or None)
+                tok, _, _, score, dc2 = expand_tree(m, d, dc2, h, head_, ids_, spec, spec.window_size or None)
+                return dataclasses.replace(dc2, lengths=dc.lengths), probe + score[0, 0] + tok[0, -1]
+
+            t_draft, _ = carried_loop_time(draft_part, (state, dstate, dataclasses.replace(st0, dcache=None)),
+                                           (st0.dcache, jnp.zeros((), jnp.float32)), iters=20, repeats=repeats)
+
+            def compact_part(state, path, carry):
+                # The accepted path moved into place and its compressed keys appended, as run_round does.
+                c, probe = carry
+                m = nnx.merge(gd, state)
+                c2 = compact_cache(c, c.lengths, path, jnp.asarray([k], jnp.int32))
+                c2 = m.extend_compressed(c2, c.lengths, c2.lengths, a)
+                return dataclasses.replace(c2, lengths=c.lengths), probe
+
             path = jnp.asarray([list(range(a))], jnp.int32)
-            t_compact = device_loop_time(
-                lambda c, p: compact_cache(c, c.lengths, p, jnp.asarray([k], jnp.int32)).k[0, 0, 0, :4],
-                (cache, path), iters=20, repeats=repeats)
+            t_compact, carry = carried_loop_time(compact_part, (state, path), carry, iters=20, repeats=repeats)
             verify_ms = next((v["ms"] for v in row["verify"] if v["tree_size"] == n), None)
             if verify_ms is None:
-                depth, mask = _random_tree(n, 10)
-                verify_ms = [1e3 * x for x in device_loop_time(
-                    step, (state, cache, jnp.zeros((1, n), jnp.int32), jnp.asarray(depth[None]), jnp.asarray(mask[None])),
-                    iters=20, repeats=repeats, chain=2)]
+                verify_ms, carry = time_verify(n, carry)
             round_ms = statistics.median(ms) * acc
             split = {"draft": _ms(t_draft), "verify": statistics.median(verify_ms), "compact": _ms(t_compact)}
             split["accept_and_rest"] = round_ms - sum(split.values())

@@ -12,11 +12,14 @@ import subprocess
 import sys
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 from benchmarks.spec import oracle_accept
-from benchmarks.timing import device_loop, device_loop_time, kernel_seconds, loop_kernel_time
+from benchmarks.timing import (
+    carried_loop, carried_loop_time, device_loop, device_loop_time, kernel_seconds, loop_kernel_time,
+)
 from minicpm_jax.config import DraftSpec, ModelConfig
 from minicpm_jax.engine.engine import Engine
 from minicpm_jax.engine.speculative.engine import EagleSteps
@@ -43,6 +46,32 @@ def test_device_loop_keeps_every_output_and_chains_calls():
     assert hlo.count("sine(") >= 3
     times = device_loop_time(fn, args, iters=4, repeats=3)
     assert len(times) == 3 and all(t > 0 for t in times)
+
+
+def test_carried_loop_writes_its_cache_in_place():
+    """A call that writes into a cache: the plain loop must copy the whole (loop-invariant) cache before
+    each write and times that copy too; the carried loop writes in place, and its carry advances."""
+    cache = jnp.zeros((8, 4096), jnp.float32)
+    copies = lambda hlo: sum(" copy(" in line and "f32[8,4096]" in line.split("copy(")[0]  # noqa: E731
+                             for line in hlo.splitlines())
+
+    def write(x, c):
+        c = c.at[3].add(x)
+        return c, jnp.max(c @ x)  # a read of all of the new version, as attention reads the written cache
+
+    plain = device_loop(lambda x, c: write(x, c)[1], (jnp.ones(4096), cache), iters=4, chain=0)
+    assert copies(plain.lower(jnp.ones(4096), cache).compile().as_text()) >= 1
+
+    def step(x, carry):
+        c, _ = write(x, carry[0])
+        return c, carry[1] + c[3, 0]  # (a read of the old version after the write would need a copy again)
+
+    carry = (cache, jnp.zeros((), jnp.float32))
+    assert copies(carried_loop(step, iters=4).lower((jnp.ones(4096),), carry).compile().as_text()) == 0
+    times, (out, probe) = carried_loop_time(step, (jnp.ones(4096),), carry, iters=4, repeats=2)
+    assert len(times) == 2 and all(t > 0 for t in times)
+    np.testing.assert_array_equal(np.asarray(out[3]), np.full(4096, 12.0))  # 3 runs x 4 calls
+    assert float(probe) == sum(range(1, 13)) and np.asarray(out[:3]).sum() == 0
 
 
 def test_kernel_seconds_sums_gpu_stream_events_by_kernel():
