@@ -31,7 +31,7 @@ from minicpm_jax.config import DraftSpec, ModelConfig
 from minicpm_jax.engine.engine import Engine
 from minicpm_jax.engine.speculative.engine import EagleSteps
 from minicpm_jax.engine.speculative.rounds import (
-    AcceptRule, DraftTree, SpecConfig, SpecState, catch_up, compact_cache, expand_tree,
+    AcceptRule, DraftTree, SpecConfig, SpecState, catch_up, expand_tree,
 )
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.infllm.policy import attention_mode
@@ -187,7 +187,7 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
                 # The accepted path moved into place and its compressed keys appended, as run_round does.
                 c, probe = carry
                 m = nnx.merge(gd, state)
-                c2 = compact_cache(c, c.lengths, path, jnp.asarray([k], jnp.int32))
+                c2 = c.commit_path(c.lengths, path, jnp.asarray([k], jnp.int32))
                 c2 = m.extend_compressed(c2, c.lengths, c2.lengths, a)
                 return dataclasses.replace(c2, lengths=c.lengths), probe
 

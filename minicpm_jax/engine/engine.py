@@ -110,13 +110,6 @@ def allocate_cache(model: MiniCPMForCausalLM, batch_size: int) -> KVCache:
                            "does not fit in the accelerator's memory: lower max_length or the batch size") from None
 
 
-@jax.jit
-def sum_rows(x: jax.Array) -> jax.Array:
-    """``x`` summed over its first axis (jitted: an eager op on an array still being computed blocks the
-    host on the CPU backend)."""
-    return jnp.sum(x, axis=0)
-
-
 class Engine:
     """Batched generation over one model and one static cache.
 
@@ -171,7 +164,7 @@ class Engine:
         if rows is None:
             # A step interrupted between launch and return (Ctrl-C) can leave the cache pointing at donated
             # buffers: start from a fresh one then.
-            self.cache = self.model.new_cache(self.batch_size) if self.cache.k.is_deleted() else self.cache.reset()
+            self.cache = self.model.new_cache(self.batch_size) if self.cache.is_deleted() else self.cache.reset()
             self.history = [[] for _ in range(self.batch_size)]
         else:
             rows = np.asarray(rows, bool)
@@ -300,13 +293,12 @@ class Engine:
         """Speculative decoding: rounds by the tokens they emitted (0, 1, ..., A), summed over the slots
         since decoding began, as a new device array ``int32[A + 1]`` (later steps do not donate it; read it
         when convenient); None for plain decoding or before the first round."""
-        rounds = None if isinstance(self.steps, PlainSteps) else self.steps.rounds
-        return None if rounds is None else sum_rows(rounds.accepted)
+        return self.steps.accept_counts()
 
     @property
     def has_logprobs(self) -> bool:
         """Whether the steps return log-probabilities (plain decoding; a speculative round does not)."""
-        return isinstance(self.steps, PlainSteps)
+        return self.steps.has_logprobs
 
     def _check_logprobs(self, logprobs: int) -> None:
         if logprobs and not self.has_logprobs:
@@ -436,7 +428,7 @@ class Engine:
     def _truncate(self, lengths: list[int]) -> None:
         """Sets each row's valid cache length (stale KV past it is ignored and later overwritten)."""
         self.history = [h[:length] for h, length in zip(self.history, lengths)]
-        self.cache = dataclasses.replace(self.cache, lengths=jnp.asarray(lengths, jnp.int32))
+        self.cache = self.cache.with_lengths(lengths)
         self.steps.truncate(lengths)
 
     def _decode_loop(self, ds: DecodeState, outputs, host_done, on_tokens) -> DecodeState:

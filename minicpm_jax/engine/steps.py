@@ -73,6 +73,13 @@ class Compiled:
 
 
 # ---------------------------------------------------------------------------------- the device programs
+@jax.jit
+def sum_rows(x: jax.Array) -> jax.Array:
+    """``x`` summed over its first axis (jitted: an eager op on an array still being computed blocks the
+    host on the CPU backend)."""
+    return jnp.sum(x, axis=0)
+
+
 def prefill_chunk(graphdef, state, cache: KVCache, tokens, num_valid, last_logits, *, mode: str = "dense"):
     """One prompt chunk ``tokens int32[B, C]`` into the cache; keeps the logits ``f32[B, V]`` of each row's
     last real token (rows without tokens keep ``last_logits``). Returns (cache, logits)."""
@@ -83,17 +90,6 @@ def prefill_chunk(graphdef, state, cache: KVCache, tokens, num_valid, last_logit
     return cache, jnp.where((num_valid > 0)[:, None], logits, last_logits)
 
 
-def take_rows(cache: KVCache, idx: jax.Array) -> KVCache:
-    """The cache of the slots ``idx int32[b]`` alone (a ``b``-row :class:`KVCache`: every buffer has the batch
-    on axis 1, ``lengths`` on axis 0)."""
-    return jax.tree.map(lambda x: jnp.take(x, idx, axis=0 if x.ndim == 1 else 1), cache)
-
-
-def put_rows(cache: KVCache, idx: jax.Array, rows: KVCache) -> KVCache:
-    """``cache`` with the slots ``idx int32[b]`` replaced by ``rows`` (a ``b``-row cache, see :func:`take_rows`)."""
-    return jax.tree.map(lambda x, r: x.at[idx].set(r) if x.ndim == 1 else x.at[:, idx].set(r), cache, rows)
-
-
 def prefill_rows(graphdef, state, cache: KVCache, idx, tokens, num_valid, *, mode: str = "dense"):
     """A prompt chunk ``tokens int32[b, C]`` for the slots ``idx int32[b]`` alone: their cache rows are
     taken out, run through :func:`prefill_chunk` and put back (the other slots are neither computed nor
@@ -101,10 +97,10 @@ def prefill_rows(graphdef, state, cache: KVCache, idx, tokens, num_valid, *, mod
     slots)."""
     b = idx.shape[0]
     vocab = nnx.merge(graphdef, state).config.vocab_size
-    rows, logits = prefill_chunk(graphdef, state, take_rows(cache, idx), tokens, num_valid,
+    rows, logits = prefill_chunk(graphdef, state, cache.take_rows(idx), tokens, num_valid,
                                  jnp.zeros((b, vocab), jnp.float32), mode=mode)
     full = jnp.zeros((cache.lengths.shape[0], vocab), jnp.float32).at[idx].set(logits)
-    return put_rows(cache, idx, rows), full
+    return cache.put_rows(idx, rows), full
 
 
 def first_token(ds: DecodeState, logits, active, cache_lengths, *, max_length: int, sampling: str = "auto",
@@ -151,15 +147,11 @@ def decode_steps(graphdef, state, cache: KVCache, ds: DecodeState, *, num_steps:
 
 # ------------------------------------------------------------------------------------------ plain decode
 class PlainSteps:
-    """Plain decoding's programs for ``model``: a prompt chunk, the first token, ``decode_block`` steps.
-
-    The interface every step set of an Engine has: ``model``; ``reuse_margin`` (cached tokens of a reused
-    prefix that must run again); ``tokens_per_block`` (the most tokens a row advances in a decode block);
-    ``compile_time``; :meth:`reset`, :meth:`truncate`, :meth:`prefill_chunk`, :meth:`first_token`,
-    :meth:`start`, :meth:`decode_block`, :meth:`accepted`.
-    """
+    """Plain decoding's programs for ``model``: a prompt chunk, the first token, ``decode_block`` steps (a
+    :class:`~minicpm_jax.engine.step_set.StepSet`)."""
 
     reuse_margin = 0
+    has_logprobs = True
 
     def __init__(self, model: MiniCPMForCausalLM, *, decode_block: int):
         self.model = model
@@ -218,5 +210,9 @@ class PlainSteps:
         return self.compiled("decode", None, self.state, cache, ds, mode=mode, sampling=sampling, logprobs=logprobs)
 
     def accepted(self) -> None:
+        """Speculative statistics (none for plain decoding)."""
+        return None
+
+    def accept_counts(self) -> None:
         """Speculative statistics (none for plain decoding)."""
         return None

@@ -8,8 +8,6 @@ references, ``pallas`` = the Pallas kernels; chosen in :mod:`pallas_kernels.back
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -18,27 +16,12 @@ from minicpm_jax.config import ModelConfig, SparseConfig
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.infllm.attention import sparse_attention, tree_sparse_attention
 from minicpm_jax.infllm.compressed import extend_compressed
-from minicpm_jax.model.cache import KVCache
+from minicpm_jax.model.cache import KVCache, TreeInputs
 from minicpm_jax.model.layers import make_linear
 from minicpm_jax.model.parallel import EMBED, HEADS, QKV, TensorParallel
 from minicpm_jax.model.rope import apply_rope, rope_frequencies, rope_inverse
 from minicpm_jax.quant import QuantSpec
 from pallas_kernels import backend
-
-
-class TreeInputs(NamedTuple):
-    """How a chunk of speculative-tree tokens is stored and what it sees (``pallas_kernels.tree_attention``).
-
-    prefix ``int32[B]``: committed tokens before the tree; mask ``bool[B, T, M]``: token ``i`` sees tree
-    slot ``j`` (slot ``prefix + j``); offset: tree slot of the chunk's first token (``int32`` scalar; a
-    draft step writes after the nodes drafted before it); window (static): committed keys visible, None =
-    all.
-    """
-
-    prefix: jax.Array
-    mask: jax.Array
-    offset: jax.Array | int = 0
-    window: int | None = None
 
 
 ATTENTION_CHOICES = backend.CHOICES
@@ -141,10 +124,8 @@ class Attention(nnx.Module):
             qs = q_nope if sp.use_nope else q
             return qs if self.tp is None else self.tp.group_queries(qs)
         if tree is not None:
-            slots = tree.prefix[:, None] + tree.offset + jnp.arange(t, dtype=jnp.int32)[None, :]
-            cache = cache.write(self.layer, k, v, slots, valid, ops.cache_write)
-            dense_tree = lambda: ops.tree_attention(  # noqa: E731
-                q, cache.k, cache.v, tree.prefix, tree.mask, scale=d**-0.5, layer=self.layer, window=tree.window)
+            cache = cache.write_tree(self.layer, k, v, tree, valid, ops)
+            dense_tree = lambda: cache.attend_tree(self.layer, q, tree, ops, scale=d**-0.5)  # noqa: E731
             if sp is None or mode == "dense":
                 out = dense_tree()
             else:
@@ -161,9 +142,8 @@ class Attention(nnx.Module):
                     use = positions + 1 >= sp.dense_len
                     out = jnp.where(use[:, :, None, None], sparse_out, dense_tree())
             return self.o_proj(out.reshape(b, t, nq)), cache
-        cache = cache.write(self.layer, k, v, positions, valid, ops.cache_write)
-        # The stacked cache goes in whole: kernels read this layer's slice in place.
-        dense = lambda: ops.attention(q, cache.k, cache.v, positions, kv_lengths, scale=d**-0.5, layer=self.layer)  # noqa: E731
+        cache = cache.write(self.layer, k, v, positions, valid, ops)
+        dense = lambda: cache.attend(self.layer, q, positions, kv_lengths, ops, scale=d**-0.5)  # noqa: E731
         if sp is None or mode == "dense":
             out = dense()
         else:

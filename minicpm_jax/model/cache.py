@@ -1,8 +1,21 @@
-"""Static-shape KV cache: preallocated buffers plus per-sequence lengths, one pytree donated through jit."""
+"""The contiguous KV cache: one static-shape row of ``max_length`` tokens per sequence, one pytree donated
+through jit.
+
+A cache kind owns its layout: the model and the engine reach K/V only through the operations below
+(write a layer's new keys and values, attend over them, take and put rows, commit a speculative path, its
+byte size), so another kind (the paged pool of :mod:`minicpm_jax.model.paged_cache`) is a second
+implementation of the same operations. Its sharding is decided in :mod:`minicpm_jax.model.parallel`.
+
+What a step reads besides the stored keys travels with the cache it is handed: ``lengths``, the valid
+tokens of each row (a paged cache adds its page table). The engine composes that view per step; the
+buffers themselves hold only storage.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from types import ModuleType
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +29,26 @@ def compressed_sizes(sparse: SparseConfig, max_length: int) -> tuple[int, int]:
     n1 = -(-max_length // sparse.kernel_stride)
     n2 = -(-max_length // sparse.kernel_stride2)
     return max(16, n1), max(16, n2)
+
+
+class TreeInputs(NamedTuple):
+    """How a chunk of speculative-tree tokens is stored and what it sees (``pallas_kernels.tree_attention``).
+
+    prefix ``int32[B]``: committed tokens before the tree; mask ``bool[B, T, M]``: token ``i`` sees tree
+    slot ``j`` (slot ``prefix + j``); offset: tree slot of the chunk's first token (``int32`` scalar; a
+    draft step writes after the nodes drafted before it); window (static): committed keys visible, None =
+    all.
+    """
+
+    prefix: jax.Array
+    mask: jax.Array
+    offset: jax.Array | int = 0
+    window: int | None = None
+
+    def slots(self, tokens: int) -> jax.Array:
+        """``int32[B, tokens]``: the tree slot of each of a chunk's tokens, as a position after the
+        committed prefix (``prefix + offset + i``)."""
+        return self.prefix[:, None] + self.offset + jnp.arange(tokens, dtype=jnp.int32)[None, :]
 
 
 @jax.tree_util.register_dataclass
@@ -70,19 +103,79 @@ class KVCache:
         per_row = config.num_layers * batch_size * (kv_heads or config.num_kv_heads) * config.head_dim
         return rows * per_row * jnp.dtype(dtype).itemsize
 
+    # ------------------------------------------------------------------ what a layer does with it
     def write(self, layer: int, k_new: jax.Array, v_new: jax.Array, positions: jax.Array, valid: jax.Array,
-              writer) -> "KVCache":
-        """Stores ``k_new, v_new [B, T, kv_heads, head_dim]`` at ``positions [B, T]`` of ``layer`` with
-        ``writer`` (a kernel backend's ``cache_write``, see :mod:`pallas_kernels.cache_write`).
+              ops: ModuleType) -> "KVCache":
+        """Stores ``k_new, v_new [B, T, kv_heads, head_dim]`` at ``positions [B, T]`` of ``layer`` with the
+        kernel backend ``ops``'s ``cache_write`` (see :mod:`pallas_kernels.cache_write`).
 
         Tokens with ``valid[B, T] == False`` (chunk padding, finished sequences) are dropped, so they can
         never overwrite live entries, even at the end of the buffer.
         """
         slots = jnp.where(valid, positions, self.max_length)  # out of bounds -> dropped
-        k, v = writer(self.k, self.v, k_new, v_new, slots, layer=layer)
+        k, v = ops.cache_write(self.k, self.v, k_new, v_new, slots, layer=layer)
         return dataclasses.replace(self, k=k, v=v)
+
+    def attend(self, layer: int, q: jax.Array, positions: jax.Array, kv_lengths: jax.Array, ops: ModuleType, *,
+               scale: float) -> jax.Array:
+        """Causal attention of ``q [B, T, H, D]`` at ``positions int32[B, T]`` over ``layer``'s keys below
+        ``kv_lengths int32[B]`` (``ops.attention``); ``[B, T, H, D]``."""
+        # The stacked cache goes in whole: kernels read this layer's slice in place.
+        return ops.attention(q, self.k, self.v, positions, kv_lengths, scale=scale, layer=layer)
+
+    def write_tree(self, layer: int, k_new: jax.Array, v_new: jax.Array, tree: TreeInputs, valid: jax.Array,
+                   ops: ModuleType) -> "KVCache":
+        """Stores speculative-tree tokens ``[B, T, kv_heads, head_dim]`` after each row's committed prefix
+        (token ``i`` at ``prefix + offset + i``, see :class:`TreeInputs`)."""
+        return self.write(layer, k_new, v_new, tree.slots(k_new.shape[1]), valid, ops)
+
+    def attend_tree(self, layer: int, q: jax.Array, tree: TreeInputs, ops: ModuleType, *, scale: float) -> jax.Array:
+        """Attention of tree tokens ``q [B, T, H, D]`` over the committed prefix and the tree keys their mask
+        names (``ops.tree_attention``); ``[B, T, H, D]``."""
+        return ops.tree_attention(q, self.k, self.v, tree.prefix, tree.mask, scale=scale, layer=layer,
+                                  window=tree.window)
+
+    # ------------------------------------------------------------------ what the engine does with it
+    def take_rows(self, idx: jax.Array) -> "KVCache":
+        """The cache of the rows ``idx int32[b]`` alone (a ``b``-row cache: a copy of those rows)."""
+        return jax.tree.map(lambda x: jnp.take(x, idx, axis=0 if x.ndim == 1 else 1), self)
+
+    def put_rows(self, idx: jax.Array, rows: "KVCache") -> "KVCache":
+        """This cache with the rows ``idx int32[b]`` replaced by ``rows`` (a ``b``-row cache, see
+        :meth:`take_rows`)."""
+        return jax.tree.map(lambda x, r: x.at[idx].set(r) if x.ndim == 1 else x.at[:, idx].set(r), self, rows)
+
+    def commit_path(self, prefix: jax.Array, path: jax.Array, accepted: jax.Array) -> "KVCache":
+        """Moves a verified speculative path into place: the tree token ``path[:, j]`` (stored by
+        :meth:`write_tree` with offset 0) becomes position ``prefix + j`` for ``j < accepted`` in every
+        layer; lengths become ``prefix + accepted``.
+
+        prefix, accepted ``int32[B]``; path ``int32[B, A]`` (tree node of each depth, root first).
+        """
+        b, a = path.shape
+        rows = jnp.arange(b)[:, None]
+        src = jnp.minimum(prefix[:, None] + path, self.max_length - 1)
+        k = self.k[:, rows, :, src]  # [B, A, L, KVH, D] (advanced indices first)
+        v = self.v[:, rows, :, src]
+        j = jnp.arange(a, dtype=jnp.int32)[None, :]
+        dst = jnp.where(j < accepted[:, None], prefix[:, None] + j, self.max_length)  # out of range: dropped
+        return dataclasses.replace(
+            self,
+            k=self.k.at[:, rows, :, dst].set(k, mode="drop"),
+            v=self.v.at[:, rows, :, dst].set(v, mode="drop"),
+            lengths=prefix + accepted,
+        )
 
     def reset(self, rows: jax.Array | None = None) -> "KVCache":
         """Marks all sequences (or those where ``rows[B]`` is True) as empty; buffers are not cleared."""
         lengths = jnp.zeros_like(self.lengths) if rows is None else jnp.where(rows, 0, self.lengths)
         return dataclasses.replace(self, lengths=lengths)
+
+    def with_lengths(self, lengths: jax.Array) -> "KVCache":
+        """This cache with each row's valid length set to ``lengths int32[B]`` (stale entries past it are
+        ignored and later overwritten)."""
+        return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))
+
+    def is_deleted(self) -> bool:
+        """Whether the buffers were donated to a step that never returned (an interrupted call)."""
+        return self.k.is_deleted()

@@ -19,8 +19,8 @@ from jax.sharding import Mesh
 from minicpm_jax.config import ModelConfig, SparseConfig
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.infllm.policy import resolve_sparse
-from minicpm_jax.model.attention import Attention, TreeInputs, resolve_attention_impl
-from minicpm_jax.model.cache import KVCache
+from minicpm_jax.model.attention import Attention, resolve_attention_impl
+from minicpm_jax.model.cache import KVCache, TreeInputs
 from minicpm_jax.model.layers import MLP, Embed, Linear, RMSNorm
 from minicpm_jax.model.parallel import EMBED, VOCAB, TensorParallel, allocate, cache_specs, mesh_size, state_specs
 from minicpm_jax.quant import QuantSpec
@@ -155,7 +155,7 @@ class MiniCPMForCausalLM(nnx.Module):
         ``i`` goes to cache slot ``length + i`` with RoPE position ``length + depths[:, i]`` and attends to
         the cached tokens and to the tree tokens ``j`` with ``tree_mask[:, i, j]`` (its ancestors and
         itself); the cache length advances by T and is set to the committed length afterwards
-        (:func:`~minicpm_jax.engine.speculative.rounds.compact_cache`, then :meth:`extend_compressed`). Sparse models
+        (the cache's ``commit_path``, then :meth:`extend_compressed`). Sparse models
         verify each node as plain decoding of its path would (``auto`` = ``mixed`` for trees).
         Returns the final-normed hidden states ``[B, T, hidden]`` (model dtype) and the updated cache
         (``forward``); ``forward_features`` also returns the residual stream entering each layer of

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from minicpm_jax.config import DraftSpec
-from minicpm_jax.model.attention import Attention, TreeInputs, resolve_attention_impl
-from minicpm_jax.model.cache import KVCache
+from minicpm_jax.model.attention import Attention, resolve_attention_impl
+from minicpm_jax.model.cache import KVCache, TreeInputs
 from minicpm_jax.model.layers import MLP, Linear, RMSNorm, make_linear
 from minicpm_jax.quant import QuantSpec
 

@@ -311,3 +311,25 @@ def test_logprobs_come_from_the_logits_each_step_sampled_from(tiny_ckpt):
         np.testing.assert_array_equal(ids[row, steps][:, :5], order[:, :5])  # ties aside, the top ids
         np.testing.assert_allclose(top[row, steps], np.take_along_axis(oracle, ids[row, steps], 1), rtol=1e-4, atol=1e-4)
         assert np.all(np.diff(top[row, steps], axis=1) <= 0)
+
+
+@pytest.mark.parametrize("kind", ["plain", "eagle"])
+def test_step_sets_satisfy_the_step_set_protocol(kind):
+    """Both step sets offer every member of StepSet with its parameters (names, order, defaults): the
+    engine and the scheduler drive either through that contract alone."""
+    import inspect
+
+    from minicpm_jax.engine.speculative.engine import EagleSteps
+    from minicpm_jax.engine.step_set import StepSet
+    from minicpm_jax.engine.steps import PlainSteps
+
+    cls = PlainSteps if kind == "plain" else EagleSteps
+    members = [n for n in dir(StepSet) if not n.startswith("_")] + list(StepSet.__annotations__)
+    for name in set(members):
+        assert hasattr(cls, name) or name in ("model", "tokens_per_block"), f"{cls.__name__} lacks {name}"
+        proto = getattr(StepSet, name, None)
+        if callable(proto) and not isinstance(proto, property):
+            want = [(p.name, p.default) for p in inspect.signature(proto).parameters.values()]
+            got = [(p.name, p.default) for p in inspect.signature(getattr(cls, name)).parameters.values()]
+            assert got[: len(want)] == want and all(p[1] is not inspect.Parameter.empty for p in got[len(want):]), (
+                f"{cls.__name__}.{name}{got} does not match StepSet.{name}{want}")

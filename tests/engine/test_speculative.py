@@ -16,7 +16,7 @@ from minicpm_jax.config import DraftSpec, ModelConfig
 from minicpm_jax.engine.engine import Engine
 from minicpm_jax.engine.sampling import SamplingParams
 from minicpm_jax.engine.speculative.engine import SpeculativeEngine
-from minicpm_jax.engine.speculative.rounds import SpecConfig, compact_cache, tree_masks
+from minicpm_jax.engine.speculative.rounds import SpecConfig, tree_masks
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.io.frspec import read_frspec
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
@@ -172,14 +172,14 @@ def test_compacted_cache_equals_recomputed_cache(pair):
     np.testing.assert_allclose(np.asarray(engine.cache.v[:, :, :, :n]), np.asarray(fresh.v[:, :, :, :n]), atol=2e-4)
 
 
-def test_compact_cache_moves_path_rows():
+def test_commit_path_moves_path_rows():
     cfg = ModelConfig.from_dict(tiny_minicpm_config())
     from minicpm_jax.model.cache import KVCache
     cache = KVCache.create(cfg, 2, 32, jnp.float32)
     marks = jnp.arange(32, dtype=jnp.float32)[None, None, None, :, None]
     cache = KVCache(k=jnp.broadcast_to(marks, cache.k.shape), v=-jnp.broadcast_to(marks, cache.v.shape),
                     lengths=cache.lengths)
-    out = compact_cache(cache, jnp.asarray([10, 4]), jnp.asarray([[0, 3, 5], [0, 2, 0]]), jnp.asarray([3, 2]))
+    out = cache.commit_path(jnp.asarray([10, 4]), jnp.asarray([[0, 3, 5], [0, 2, 0]]), jnp.asarray([3, 2]))
     assert list(np.asarray(out.lengths)) == [13, 6]
     k = np.asarray(out.k[0, :, 0, :, 0])
     assert list(k[0, 10:14]) == [10, 13, 15, 13] and list(k[1, 4:7]) == [4, 6, 6]

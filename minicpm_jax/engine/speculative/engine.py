@@ -25,7 +25,7 @@ from minicpm_jax.engine.speculative.rounds import (
     spec_prefill_chunk,
     spec_prefill_rows,
 )
-from minicpm_jax.engine.steps import Compiled, PrefillChunk, first_token
+from minicpm_jax.engine.steps import Compiled, PrefillChunk, first_token, sum_rows
 from minicpm_jax.engine.stops import DecodeState
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.infllm.policy import tree_depth_limit
@@ -54,6 +54,7 @@ class EagleSteps:
 
     # The draft needs the target feature of the last reused position, which the tail prefill recomputes.
     reuse_margin = 1
+    has_logprobs = False  # a round's tokens come from several nodes' logits; none are reported
 
     def __init__(self, model: MiniCPMForCausalLM, draft: EagleDraft, *, spec: SpecConfig = SpecConfig(),
                  frspec_ids: np.ndarray | None = None, batch_size: int = 1, decode_block: int = 4,
@@ -115,7 +116,7 @@ class EagleSteps:
         """Forgets the draft's cached pairs (of the slots ``rows``, or all; a fresh cache if an interrupted
         step left it donated) and those slots' pending pairs (a slot reused mid-batch must not replay its
         last owner's)."""
-        if rows is None and self.dcache.k.is_deleted():
+        if rows is None and self.dcache.is_deleted():
             self.dcache = self.draft.new_cache(self.batch_size, self.dcache.max_length)
         else:
             self.dcache = self.dcache.reset(None if rows is None else jnp.asarray(rows))
@@ -127,7 +128,7 @@ class EagleSteps:
     def truncate(self, lengths: Sequence[int]) -> None:
         # Draft pair t = (f_t, x_{t+1}) is valid while x_{t+1} is cached; the tail prefill restarts at the
         # length, so the draft holds exactly the pairs before it.
-        self.dcache = dataclasses.replace(self.dcache, lengths=jnp.asarray(lengths, jnp.int32))
+        self.dcache = self.dcache.with_lengths(lengths)
 
     def prefill_chunk(self, cache: KVCache, chunk: PrefillChunk, logits: jax.Array, mode: str):
         args = (self.state, self.dstate, cache, self.dcache, chunk.tokens, chunk.next_tokens, chunk.num_valid,
@@ -146,7 +147,8 @@ class EagleSteps:
         return cache, logits
 
     def first_token(self, cache: KVCache, ds: DecodeState, logits: jax.Array, active: jax.Array,
-                    sampling: str = "auto") -> DecodeState:
+                    sampling: str = "auto", logprobs: int = 0) -> DecodeState:
+        self._no_logprobs(logprobs)
         args = (ds, logits, active, cache.lengths)
         return self.compiled("first", None, *args, sampling=sampling)
 
@@ -170,13 +172,24 @@ class EagleSteps:
                                 pend_feat=pick(fresh.pend_feat, self.rounds.pend_feat),
                                 pend_n=pick(fresh.pend_n, self.rounds.pend_n), accepted=self.rounds.accepted)
 
-    def decode_block(self, cache: KVCache, ds: DecodeState, mode: str, sampling: str = "auto"):
+    def decode_block(self, cache: KVCache, ds: DecodeState, mode: str, sampling: str = "auto", logprobs: int = 0):
         """``decode_block`` rounds; returns (cache, state, tokens ``int32[B, rounds·A]``, -1 = none)."""
+        self._no_logprobs(logprobs)
         # The draft cache as prefill and reset left it (they replace it; the rounds' copy may be donated).
         args = (self.state, self.dstate, self.head, self.ids, cache, ds, dataclasses.replace(self.rounds, dcache=self.dcache))
         cache, ds, self.rounds, tokens = self.compiled("decode", None, *args, sampling=sampling, mode=mode)
         self.dcache = self.rounds.dcache
         return cache, ds, tokens
+
+    @staticmethod
+    def _no_logprobs(logprobs: int) -> None:
+        if logprobs:
+            raise MiniCPMError("speculative rounds do not return log-probabilities")
+
+    def accept_counts(self) -> jax.Array | None:
+        """Rounds by the tokens they emitted (0, 1, ..., A), summed over the rows since decoding began, as a
+        new device array ``int32[A + 1]`` (later rounds do not donate it); None before the first round."""
+        return None if self.rounds is None else sum_rows(self.rounds.accepted)
 
     def accepted(self) -> np.ndarray | None:
         """Rounds of the last decode loop by tokens emitted (0, 1, ..., A), summed over the rows."""

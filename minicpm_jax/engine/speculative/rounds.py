@@ -36,11 +36,9 @@ from flax import nnx
 from jax import lax
 
 from minicpm_jax.engine.sampling import sample
-from minicpm_jax.engine.steps import put_rows, take_rows
 from minicpm_jax.engine.stops import DecodeState, apply_stops
 from minicpm_jax.errors import MiniCPMError
-from minicpm_jax.model.attention import TreeInputs
-from minicpm_jax.model.cache import KVCache
+from minicpm_jax.model.cache import KVCache, TreeInputs
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
 from minicpm_jax.model.draft import EagleDraft
 from pallas_kernels.topk import top_k
@@ -111,27 +109,6 @@ def draft_log_probs(model: MiniCPMForCausalLM, draft: EagleDraft, hidden: jax.Ar
     logit scale, unlike CPM.cu)."""
     logits = draft.logits(hidden) if draft.own_head else model.logits(hidden, head)
     return jax.nn.log_softmax(logits, axis=-1)
-
-
-def compact_cache(cache: KVCache, prefix: jax.Array, path: jax.Array, accepted: jax.Array) -> KVCache:
-    """Moves the accepted path's K/V into place: slot ``prefix + path[:, j]`` → ``prefix + j`` for
-    ``j < accepted`` in every layer; lengths become ``prefix + accepted``.
-
-    prefix, accepted ``int32[B]``; path ``int32[B, A]`` (tree node of each depth, root first).
-    """
-    b, a = path.shape
-    rows = jnp.arange(b)[:, None]
-    src = jnp.minimum(prefix[:, None] + path, cache.max_length - 1)
-    k = cache.k[:, rows, :, src]  # [B, A, L, KVH, D] (advanced indices first)
-    v = cache.v[:, rows, :, src]
-    j = jnp.arange(a, dtype=jnp.int32)[None, :]
-    dst = jnp.where(j < accepted[:, None], prefix[:, None] + j, cache.max_length)  # out of range: dropped
-    return dataclasses.replace(
-        cache,
-        k=cache.k.at[:, rows, :, dst].set(k, mode="drop"),
-        v=cache.v.at[:, rows, :, dst].set(v, mode="drop"),
-        lengths=prefix + accepted,
-    )
 
 
 def target_forward(model: MiniCPMForCausalLM, draft: EagleDraft, tokens, cache, num_valid, mode="dense", tree=None):
@@ -290,7 +267,7 @@ def run_round(model, draft, head, ids, cache: KVCache, ds: DecodeState, st: Spec
     levels = jnp.arange(a_max, dtype=jnp.int32)
     path = jnp.argmax(on_path[:, None, :] & (depth[:, None, :] == levels[None, :, None]), axis=2).astype(jnp.int32)
     emitted = jnp.take_along_axis(target, path, axis=1)  # [B, A]; valid below n_acc
-    cache = compact_cache(cache, prefix, path, jnp.where(active, n_acc, 0))
+    cache = cache.commit_path(prefix, path, jnp.where(active, n_acc, 0))
     cache = model.extend_compressed(cache, prefix, cache.lengths, a_max)  # sparse: K1/K2 of the accepted path
     ds, keep = apply_stops(ds, emitted, n_acc, active, cache.lengths, cache.max_length)
     feats = jnp.take_along_axis(features, path[:, :, None], axis=1)
@@ -352,7 +329,7 @@ def spec_prefill_rows(graphdef, state, dstate, cache, dcache, idx, tokens, next_
     b, batch = idx.shape[0], cache.lengths.shape[0]
     vocab = nnx.merge(graphdef, state).config.vocab_size
     rows, drows, logits, feat = spec_prefill_chunk(
-        graphdef, state, dstate, take_rows(cache, idx), take_rows(dcache, idx), tokens, next_tokens, num_valid,
+        graphdef, state, dstate, cache.take_rows(idx), dcache.take_rows(idx), tokens, next_tokens, num_valid,
         draft_valid, jnp.zeros((b, vocab), jnp.float32), last_feat[idx], dgraph=dgraph, mode=mode)
     full = jnp.zeros((batch, vocab), jnp.float32).at[idx].set(logits)
-    return put_rows(cache, idx, rows), put_rows(dcache, idx, drows), full, last_feat.at[idx].set(feat)
+    return cache.put_rows(idx, rows), dcache.put_rows(idx, drows), full, last_feat.at[idx].set(feat)
