@@ -2,7 +2,7 @@
 :mod:`pallas_kernels.xla` under the same name and signature, run by the kernels of this package.
 
 Where one op is served by several kernels, the choice is made here: flash-decoding or flash attention by
-the number of query tokens; the one-launch compressed-key update for a decode step; InfLLM-v2's decode
+the number of query tokens (for the contiguous cache and the paged pool alike); the one-launch compressed-key update for a decode step; InfLLM-v2's decode
 path (selection and attention in one kernel) for one query token, and for prefill chunks the block-sparse
 kernel below each query's local window merged with the window kernel.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention import attention
-from pallas_kernels.cache_write import cache_write
+from pallas_kernels.attention import MAX_DECODE_QUERIES, attention, paged_decode_attention, paged_prefill_attention
+from pallas_kernels.cache_write import cache_write, paged_cache_write
 from pallas_kernels.flash import merge_attention
 from pallas_kernels.infllm.common import Geometry
 from pallas_kernels.infllm.compress import compress_step, compress_windows_reference
@@ -24,16 +24,28 @@ from pallas_kernels.infllm.stage2 import block_sparse_attention, local_window_at
 from pallas_kernels.int4_matmul import int4_matmul
 from pallas_kernels.launch import is_power_of_2
 from pallas_kernels.matmul import matmul
-from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.tree_attention import paged_tree_attention, tree_attention
 
 __all__ = ["attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul",
-           "matmul", "select_blocks", "sparse_attention", "tree_attention"]
+           "matmul", "paged_attention", "paged_cache_write", "paged_tree_attention", "select_blocks",
+           "sparse_attention", "tree_attention"]
 
 # Query tokens per row up to which sparse_attention takes the decode path (selection + attention in one
 # kernel, after the two stage-1 passes: four launches in all).
 DECODE_PATH_MAX_TOKENS = 1
 # Query tokens above which a prefill chunk attends its local windows with the window kernel.
 LOCAL_WINDOW_MIN_TOKENS = 16
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                    q_positions: jax.Array, kv_lengths: jax.Array, *, scale: float, page_size: int,
+                    layer: int) -> jax.Array:
+    """:func:`pallas_kernels.xla.paged_attention` by the kernels: flash-decoding split over each row's pages
+    for up to ``MAX_DECODE_QUERIES`` query tokens (decode, tree-sized chunks), flash prefill of the chunk
+    over its paged history above."""
+    kernel = paged_decode_attention if q.shape[1] <= MAX_DECODE_QUERIES else paged_prefill_attention
+    return kernel(q, k_pages, v_pages, page_table, q_positions, kv_lengths, scale=scale, page_size=page_size,
+                  layer=layer)
 
 
 def compress_windows(k: jax.Array, k1: jax.Array, k2: jax.Array, old_lengths: jax.Array, new_lengths: jax.Array, *,

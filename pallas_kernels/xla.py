@@ -11,6 +11,7 @@ import jax
 
 from pallas_kernels.attention import attention_reference as attention
 from pallas_kernels.cache_write import cache_write_reference as cache_write
+from pallas_kernels.cache_write import paged_cache_write_reference as paged_cache_write
 from pallas_kernels.infllm.common import Geometry
 from pallas_kernels.infllm.compress import compress_windows_reference
 from pallas_kernels.infllm.select import pool_select_blocks_reference
@@ -18,11 +19,14 @@ from pallas_kernels.infllm.stage1 import compressed_scores_reference
 from pallas_kernels.infllm.stage2 import block_sparse_attention_reference as block_sparse_attention
 from pallas_kernels.int4_matmul import int4_matmul_reference as int4_matmul
 from pallas_kernels.matmul import matmul
+from pallas_kernels.paged import paged_attention_reference as paged_attention
+from pallas_kernels.paged import paged_tree_attention_reference as paged_tree_attention
 from pallas_kernels.topk import top_k
 from pallas_kernels.tree_attention import tree_attention_reference as tree_attention
 
 __all__ = ["attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul",
-           "matmul", "select_blocks", "sparse_attention", "tree_attention"]
+           "matmul", "paged_attention", "paged_cache_write", "paged_tree_attention", "select_blocks",
+           "sparse_attention", "tree_attention"]
 
 
 def compress_windows(k: jax.Array, k1: jax.Array, k2: jax.Array, old_lengths: jax.Array, new_lengths: jax.Array, *,
