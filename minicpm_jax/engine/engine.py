@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from minicpm_jax.engine.paging import OutOfPages, PagedBooks, Paging
 from minicpm_jax.engine.sampling import SamplingParams, row_key, sampling_kind
 from minicpm_jax.engine.steps import PlainSteps, PrefillChunk
 from minicpm_jax.engine.stops import FINISH_NAMES, FINISH_STOP, DecodeState, stop_table
@@ -29,6 +30,7 @@ from minicpm_jax.infllm.policy import attention_mode
 from minicpm_jax.model.cache import KVCache
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
 from minicpm_jax.model.loading import shard_model
+from minicpm_jax.model.paged_cache import PagedKVCache
 
 MIN_CHUNK = 32  # smallest prefill chunk shape
 
@@ -96,18 +98,50 @@ def split_over(model: MiniCPMForCausalLM, mesh: Mesh | None) -> MiniCPMForCausal
     return shard_model(model, mesh)
 
 
-def allocate_cache(model: MiniCPMForCausalLM, batch_size: int) -> KVCache:
-    """``model.new_cache(batch_size)``, with an accelerator out-of-memory error turned into one line that
-    names the cache's size (a Python API user who skipped :mod:`minicpm_jax.engine.memory`'s check)."""
+def allocate_cache(model: MiniCPMForCausalLM, batch_size: int, paging: Paging | None = None) -> KVCache | PagedKVCache:
+    """``model.new_cache(batch_size)`` (or the paged pool of ``paging``), with an accelerator out-of-memory
+    error turned into one line that names the cache's size (a Python API user who skipped
+    :mod:`minicpm_jax.engine.memory`'s check)."""
     try:  # dispatch is asynchronous: an out-of-memory shows when the buffers are waited for
+        if paging is not None:
+            return jax.block_until_ready(model.new_paged_cache(num_pages=paging.num_pages, page_size=paging.page_size,
+                                                               batch_size=batch_size))
         return jax.block_until_ready(model.new_cache(batch_size))
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        size = KVCache.nbytes(model.config, batch_size, model.max_length, model.dtype,
-                              model.sparse if model.sparse_active else None)
-        raise MiniCPMError(f"the KV cache ({model.max_length} tokens × {batch_size} rows, {size / (1 << 30):.2f} GiB) "
-                           "does not fit in the accelerator's memory: lower max_length or the batch size") from None
+        if paging is not None:
+            size = PagedKVCache.nbytes(model.config, paging.num_pages, paging.page_size, batch_size, model.dtype)
+            what, fix = f"{paging.num_pages} pages of {paging.page_size} tokens", "fewer pages"
+        else:
+            size = KVCache.nbytes(model.config, batch_size, model.max_length, model.dtype,
+                                  model.sparse if model.sparse_active else None)
+            what, fix = f"{model.max_length} tokens × {batch_size} rows", "lower max_length or the batch size"
+        raise MiniCPMError(f"the KV cache ({what}, {size / (1 << 30):.2f} GiB) does not fit in the accelerator's "
+                           f"memory: {fix}") from None
+
+
+@jax.jit
+def set_lengths(lengths: jax.Array, idx: jax.Array, values: jax.Array) -> jax.Array:
+    """``lengths`` with the slots ``idx`` set to ``values`` (jitted: eager ops on arrays still being
+    computed block the host on the CPU backend)."""
+    return lengths.at[idx].set(values)
+
+
+def power_of_2_rows(live: int, limit: int) -> int:
+    """The rows a program over ``live`` rows computes: the next power of two, or ``limit`` (every row)."""
+    return min(1 << (max(live, 1) - 1).bit_length(), limit)
+
+
+def decode_row_counts(batch_size: int) -> list[int]:
+    """The row counts a paged engine's decode blocks run at: powers of four, and every slot. A decode step
+    reads every weight whatever its rows, so 16 rows cost about what 5 do; coarse steps keep the compiled
+    programs few (each takes seconds to compile at 8B)."""
+    counts, n = [], 1
+    while n < batch_size:
+        counts.append(n)
+        n *= 4
+    return counts + [batch_size]
 
 
 class Engine:
@@ -123,11 +157,17 @@ class Engine:
       mesh: split ``model`` over this mesh (tensor parallelism, ``minicpm_jax.model.parallel.make_mesh``)
         unless it already is; a model loaded with ``load_model(..., mesh=)`` needs none.
       scratch_rows: cache rows a prompt piece (:meth:`prefill_chunk`) may copy out to run over them alone, a
-        power of two; sizing the memory, count them beside ``batch_size`` (the server does).
+        power of two; sizing the memory, count them beside ``batch_size`` (the server does). A paged cache
+        copies nothing (its rows are page-table rows): every slot may run alone.
+      paging: keep the KV in a pool of pages shared by the slots (:class:`~minicpm_jax.engine.paging.Paging`;
+        ``batch_size`` then bounds the sequences of a step, not the memory), with the paged step API
+        (:meth:`admit`, :meth:`grow`, :meth:`publish`, :meth:`release`, ...); None: one ``max_length`` row
+        per slot.
     """
 
     def __init__(self, model: MiniCPMForCausalLM, *, batch_size: int = 1, chunk_length: int = 256,
-                 decode_block: int = 16, steps=None, mesh: Mesh | None = None, scratch_rows: int = 1):
+                 decode_block: int = 16, steps=None, mesh: Mesh | None = None, scratch_rows: int = 1,
+                 paging: Paging | None = None):
         if batch_size < 1 or chunk_length < 1 or decode_block < 1 or scratch_rows < 1:
             raise MiniCPMError("batch_size, chunk_length, decode_block and scratch_rows must be positive")
         if scratch_rows & (scratch_rows - 1):
@@ -142,10 +182,19 @@ class Engine:
         self.chunk_length = min(chunk_length, self.max_length)
         self.decode_block = decode_block
         # Cache rows a prompt piece may copy out to run over them alone (prefill_chunk); whoever sizes the
-        # memory leaves room for them beside the batch_size rows.
-        self.scratch_rows = scratch_rows
-        self.steps = steps or PlainSteps(model, decode_block=decode_block)
-        self.cache = allocate_cache(model, batch_size)
+        # memory leaves room for them beside the batch_size rows. Paged rows are free to take.
+        self.scratch_rows = batch_size if paging is not None else scratch_rows
+        page_size = None if paging is None else paging.page_size
+        self.steps = steps or PlainSteps(model, decode_block=decode_block, page_size=page_size)
+        if self.steps.page_size != page_size:
+            raise MiniCPMError("the step set was built for another cache layout than the engine's paging")
+        if paging is not None and self.steps.reuse_margin:
+            # A draft's cache is contiguous: pages shared from the prefix cache would leave it without the
+            # pairs of the shared prefix. Paging works, prefix caching waits for a paged draft cache.
+            paging = dataclasses.replace(paging, prefix_caching=False)
+        self.paging = paging
+        self.books = None if paging is None else PagedBooks(paging, batch_size=batch_size, max_length=self.max_length)
+        self.cache = allocate_cache(model, batch_size, paging)
         self.history: list[list[int]] = [[] for _ in range(batch_size)]  # tokens whose KV each row holds
         self.sampling = "auto"  # static sampling path of the current generate call (see sampling_kind)
 
@@ -164,24 +213,88 @@ class Engine:
         if rows is None:
             # A step interrupted between launch and return (Ctrl-C) can leave the cache pointing at donated
             # buffers: start from a fresh one then.
-            self.cache = self.model.new_cache(self.batch_size) if self.cache.is_deleted() else self.cache.reset()
+            self.cache = allocate_cache(self.model, self.batch_size, self.paging) if self.cache.is_deleted() \
+                else self.cache.reset()
             self.history = [[] for _ in range(self.batch_size)]
+            if self.books is not None:
+                self.books.pages.dirty = True  # a fresh pool's view has an empty table
         else:
             rows = np.asarray(rows, bool)
             self.cache = self.cache.reset(jnp.asarray(rows))
             self.history = [[] if r else h for h, r in zip(self.history, rows)]
+        if self.books is not None:
+            for slot in range(self.batch_size) if rows is None else np.flatnonzero(rows):
+                self.books.release(int(slot))
         self.steps.reset(rows)
 
-    def decode_state(self, samplings: list[SamplingParams], budgets: list[int], stops: list[list[int]]) -> DecodeState:
+    # ---------------------------------------------------------------- the paged step API
+    @property
+    def paged(self) -> bool:
+        """Whether the KV lives in a pool of pages (``paging``)."""
+        return self.books is not None
+
+    def _paged_books(self) -> PagedBooks:
+        if self.books is None:
+            raise MiniCPMError("this engine's cache is not paged (Engine(paging=...))")
+        return self.books
+
+    def admit(self, slot: int, tokens: Sequence[int]) -> int:
+        """Starts the empty ``slot`` (after :meth:`reset` or :meth:`release`) on a prompt: the pages of its
+        longest cached prefix are shared into the slot, whose length becomes that prefix's; returns its
+        tokens (whole pages, at least one prompt token left to compute)."""
+        cached = self._paged_books().admit(slot, tokens)
+        if cached:
+            self.cache = self.cache.with_lengths(set_lengths(self.cache.lengths, np.int32(slot), np.int32(cached)))
+        return cached
+
+    def cached_tokens(self, tokens: Sequence[int]) -> int:
+        """Tokens of a prompt :meth:`admit` would find cached now (nothing changes)."""
+        return self._paged_books().cached(tokens)
+
+    def pages_needed(self, tokens: dict[int, int]) -> int:
+        """New pages that ``tokens[slot]`` more positions of each slot need (a prompt piece; a decode block
+        is ``tokens_per_block`` each)."""
+        books = self._paged_books()
+        return sum(max(0, books.pages_for(min(int(books.bound[s]) + n, self.max_length))
+                       - books.pages.slot_capacity(s) // books.page_size) for s, n in tokens.items())
+
+    def settle(self, slot: int, length: int) -> None:
+        """``slot``'s length on the device is at most ``length`` now (its tokens came back): the next
+        decode block reserves from there."""
+        self._paged_books().settle(slot, length)
+
+    def publish(self, slot: int, tokens: Sequence[int]) -> None:
+        """``tokens`` (from position 0) are in ``slot``'s cache: their full pages enter the prefix cache,
+        for other prompts starting with them (also while this one runs)."""
+        self._paged_books().publish(slot, tokens)
+
+    def release(self, slot: int, tokens: Sequence[int] | None = None) -> None:
+        """Ends ``slot``'s sequence: publishes ``tokens`` first (when given), frees its pages (full ones
+        stay cached) and empties the slot."""
+        self._paged_books().release(slot, tokens)
+        mask = np.zeros(self.batch_size, bool)
+        mask[slot] = True
+        self.reset(mask)
+
+    def page_stats(self) -> dict:
+        """The pool's counters (:meth:`~minicpm_jax.engine.pages.PageManager.stats`)."""
+        return self._paged_books().stats()
+
+    def available_pages(self) -> int:
+        return self._paged_books().available()
+
+    def decode_state(self, samplings: list[SamplingParams], budgets: list[int], stops: list[list[int]],
+                     generated: list[int] | None = None) -> DecodeState:
         """Decode state for the first ``len(samplings)`` slots (their sampling, token budget and stop ids);
-        the remaining slots start finished."""
+        the remaining slots start finished. generated: tokens each slot's request already produced (a
+        preempted request resuming: its draws and budget go on from there), default none."""
         n, pad = len(samplings), self.batch_size - len(samplings)
         samplings = samplings + [SamplingParams()] * pad
         return DecodeState(
             tok=jnp.zeros(self.batch_size, jnp.int32),
             done=jnp.asarray(np.arange(self.batch_size) >= n),
             finish=jnp.zeros(self.batch_size, jnp.int32),
-            n_gen=jnp.zeros(self.batch_size, jnp.int32),
+            n_gen=jnp.asarray(list(generated or [0] * n) + [0] * pad, jnp.int32),
             max_new=jnp.asarray(list(budgets) + [1] * pad, jnp.int32),
             keys=jnp.stack([row_key(s.seed) for s in samplings]),
             temperature=jnp.asarray([s.temperature for s in samplings], jnp.float32),
@@ -197,6 +310,7 @@ class Engine:
         rows = list(rows) + [[]] * (self.batch_size - len(rows))
         total = max(len(r) for r in rows)
         start = self.cache_lengths() if self.model.sparse_active else None
+        self._reserve({i: len(r) for i, r in enumerate(rows) if r})
         # Short prompts run in a smaller power-of-two chunk (few compiled shapes, little padding).
         c = min(self.chunk_length, max(MIN_CHUNK, 1 << (total - 1).bit_length()))
         logits = jnp.zeros((self.batch_size, self.config.vocab_size), jnp.float32)
@@ -216,8 +330,20 @@ class Engine:
     def prefill_row_count(self, live: int) -> int:
         """The rows a prefill step with ``live`` prompt rows computes: the next power of two if that fits
         ``scratch_rows`` (and is fewer than every slot), else every slot (``batch_size``)."""
-        rows = 1 << (max(live, 1) - 1).bit_length()
-        return rows if rows <= self.scratch_rows and rows < self.batch_size else self.batch_size
+        rows = power_of_2_rows(live, self.batch_size)
+        return rows if rows <= self.scratch_rows else self.batch_size
+
+    def _reserve(self, tokens: dict[int, int]) -> None:
+        """Paged cache: pages for ``tokens[slot]`` more positions of each slot, all reserved before a
+        program writes them (OutOfPages naming the slots that did not get theirs); then the device's view
+        gets the page table. Nothing for a contiguous cache."""
+        if self.books is None:
+            return
+        failed = [s for s, n in tokens.items() if not self.books.reserve(s, int(self.books.bound[s]) + n)]
+        if failed:
+            raise OutOfPages(f"the KV pool has no free pages for slots {failed} ({self.books.available()} left): "
+                             "fewer or shorter sequences at once, or more pages")
+        self.cache = self.books.sync(self.cache)
 
     def prefill_chunk(self, rows: Sequence[Sequence[int]], size: int) -> jax.Array:
         """One prefill step: appends the first ``min(size, len(rows[i]))`` tokens of ``rows[i]`` to slot
@@ -238,6 +364,7 @@ class Engine:
         live = [i for i, n in enumerate(take) if n]
         if not live:
             return jnp.zeros((self.batch_size, self.config.vocab_size), jnp.float32)
+        self._reserve({i: take[i] for i in live})
         c = self.chunk_size(max(take))
         pieces = PrefillChunk.of([r[:n] for r, n in zip(rows, take)], 0, c, self.batch_size)
         following = PrefillChunk.of([r[1 : n + 1] for r, n in zip(rows, take)], 0, c, self.batch_size)
@@ -268,20 +395,35 @@ class Engine:
             return self.steps.first_token(self.cache, ds, logits, active, sampling, logprobs=logprobs)
         return self.steps.first_token(self.cache, ds, logits, active, sampling)
 
-    def decode(self, ds: DecodeState, mode: str | None = None, sampling: str = "auto", logprobs: int = 0):
+    def decode(self, ds: DecodeState, mode: str | None = None, sampling: str = "auto", logprobs: int = 0,
+               rows: Sequence[int] | None = None):
         """One decode block for the live slots; returns (state, tokens ``int32[B, N]``, -1 = none). Without
         ``mode`` the attention mode comes from the lengths on device (one sync, sparse models only). With
         ``logprobs`` > 0 (plain steps only) also each token's log-probability and its step's ``logprobs``
         most likely tokens, from the logits the step sampled from: (state, tokens, (f32[B, N],
-        int32[B, N, K], f32[B, N, K]))."""
+        int32[B, N, K], f32[B, N, K])).
+
+        rows: the slots that may be decoding (default: every slot). A paged cache reserves a block's pages
+        for each of them first (OutOfPages if the pool cannot: :meth:`pages_needed` says how many a block
+        needs) and computes only them, padded with idle slots to a count of :func:`decode_row_counts` (finished
+        rows are masked either way)."""
         self._check_logprobs(logprobs)
         if mode is None:
             mode = self.block_mode(ds)
-        if logprobs:
-            self.cache, ds, tokens, lps = self.steps.decode_block(self.cache, ds, mode, sampling, logprobs=logprobs)
-            return ds, tokens, lps
-        self.cache, ds, tokens = self.steps.decode_block(self.cache, ds, mode, sampling)
-        return ds, tokens
+        idx = None
+        if self.books is not None:
+            slots = list(range(self.batch_size)) if rows is None else [int(s) for s in rows]
+            self._reserve({s: self.steps.tokens_per_block for s in slots})
+            # The fewest rows of decode_row_counts that hold them (every slot with log-probabilities: that
+            # variant is compiled once, for the whole batch).
+            n = self.batch_size if logprobs else min(c for c in decode_row_counts(self.batch_size) if c >= len(slots))
+            if n < self.batch_size and self.steps.decodes_rows:
+                taken = set(slots)
+                idle = [s for s in range(self.batch_size) if s not in taken]
+                idx = np.asarray(sorted(slots + idle[: n - len(slots)]), np.int32)
+        out = self.steps.decode_block(self.cache, ds, mode, sampling, logprobs=logprobs, rows=idx)
+        self.cache, ds = out[0], out[1]
+        return (ds, out[2], out[3]) if logprobs else (ds, out[2])
 
     def start(self, ds: DecodeState, rows: jax.Array | None = None) -> None:
         """Decoding begins from ``ds`` (after :meth:`first_token`): for every slot, or only for the slots
@@ -380,7 +522,12 @@ class Engine:
                 )
             rows.append(ids)
             start.append(self._common_prefix(i, ids))
-        if reuse_prefix:
+        if self.books is not None and reuse_prefix:
+            # The rows' pages went to the prefix cache at the end of the last call: every prompt starts on
+            # its longest cached prefix, whichever row computed it.
+            self.reset()
+            start = [self.admit(i, r) for i, r in enumerate(rows)]
+        elif reuse_prefix:
             self._truncate(start + [0] * (self.batch_size - n))
         rows_new = [r[s:] for r, s in zip(rows, start)]
 
@@ -399,7 +546,7 @@ class Engine:
         host_done = [bool(done[i]) for i in range(n)]
         ds = self._emit(on_tokens, [[t[0]] for t in outputs], host_done, ds)
         t1 = time.perf_counter()
-        ds = self._decode_loop(ds, outputs, host_done, on_tokens)
+        ds = self._decode_loop(ds, outputs, host_done, on_tokens, [len(r) for r in rows])
         stats.decode_time = time.perf_counter() - t1 - (self.compile_time - compile1)
         stats.compile_time = self.compile_time - compile0
         stats.decode_tokens = sum(len(o) - 1 for o in outputs)
@@ -412,6 +559,9 @@ class Engine:
         ]
         # The last sampled token is never cached; rows stopped by the host may have run ahead on device.
         self.history[:n] = [r + o[:-1] for r, o in zip(rows, outputs)]
+        if self.books is not None:
+            for i in range(n):
+                self.books.publish(i, self.history[i])
         self._truncate([len(h) for h in self.history])
         return results, stats
 
@@ -426,12 +576,15 @@ class Engine:
         return max(0, n - self.steps.reuse_margin)
 
     def _truncate(self, lengths: list[int]) -> None:
-        """Sets each row's valid cache length (stale KV past it is ignored and later overwritten)."""
+        """Sets each row's valid cache length (stale KV past it is ignored and later overwritten); a paged
+        row keeps its pages up to it (a little less where it ends inside a shared page)."""
+        if self.books is not None:
+            lengths = [self.books.truncate(i, n) for i, n in enumerate(lengths)]
         self.history = [h[:length] for h, length in zip(self.history, lengths)]
         self.cache = self.cache.with_lengths(lengths)
         self.steps.truncate(lengths)
 
-    def _decode_loop(self, ds: DecodeState, outputs, host_done, on_tokens) -> DecodeState:
+    def _decode_loop(self, ds: DecodeState, outputs, host_done, on_tokens, prompt_lengths: list[int]) -> DecodeState:
         """Dispatches block k+1 before reading block k, so the host's streaming overlaps device work."""
         self.steps.start(ds)
         pending = None  # (tokens, done flags) of the block in flight
@@ -445,10 +598,13 @@ class Engine:
                 lo = min(start[i] + len(outputs[i]) for i in live)  # kv length at the block's first step, at least
                 hi = max(start[i] for i in live) + dispatched + per_block
                 mode = self.attention_mode(lo, hi)
-            ds, block = self.decode(ds, mode, self.sampling)
+            ds, block = self.decode(ds, mode, self.sampling, rows=[i for i, d in enumerate(host_done) if not d])
             dispatched += per_block
             if pending is not None:
                 ds = self._consume(pending, outputs, host_done, on_tokens, ds)
+                if self.books is not None:  # the block in flight may add per_block more
+                    for i, o in enumerate(outputs):
+                        self.books.settle(i, prompt_lengths[i] + len(o) - 1 + per_block)
             pending = (block, ds.done)
         return ds
 

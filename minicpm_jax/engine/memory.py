@@ -6,6 +6,9 @@ Budget = the allocator's limit (a GPU's ``bytes_limit``: JAX preallocates ``XLA_
 of the card, which the command-line programs set to ``--memory_limit``; on a CPU the free RAM times the
 limit, where free is the kernel's MemAvailable) minus what is already in use, the weights and a workspace for one prefill chunk's activations and
 logits. The cache gets the rest, in whole 64-token blocks, up to the positions the model supports.
+
+A paged cache (the server's) reserves nothing per sequence: its pool gets every page that fits what is
+left once the weights are loaded (:func:`pool_pages`), and ``max_length`` only bounds one sequence.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import jax.numpy as jnp
 from minicpm_jax.config import ModelConfig, SparseConfig
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.cache import KVCache
+from minicpm_jax.model.paged_cache import PagedKVCache
 from minicpm_jax.model.parallel import TensorParallel
 
 CPU_AUTO_LENGTH = 2048  # --max_length auto on a CPU: the interactive default, not a memory question
@@ -128,3 +132,21 @@ def check_fits(config: ModelConfig, *, max_length: int, batch_size: int, dtype, 
     except MiniCPMError:
         hint = "the weights alone do not fit"
     raise MiniCPMError(f"max_length {max_length} does not fit in memory: {p.describe()}; {hint}")
+
+
+def pool_pages(config: ModelConfig, *, budget: int, dtype, page_size: int, batch_size: int, prefill_tokens: int,
+               tensor_parallel: int = 1) -> int:
+    """Pages of a paged KV pool that fit ``budget`` (bytes still free on each device, the weights already
+    loaded): what is left after a workspace for a prefill step of ``prefill_tokens`` tokens and a decode
+    step of ``batch_size`` rows, and the rows' speculative-tree scratch regions. MiniCPMError when not even
+    a sequence's worth of pages (16) fits."""
+    tp = TensorParallel.of(config, tensor_parallel)
+    page = PagedKVCache.page_nbytes(config, page_size, dtype, kv_heads=tp.stored_kv_heads) // tp.size
+    scratch = PagedKVCache.nbytes(config, 0, page_size, batch_size, dtype, kv_heads=tp.stored_kv_heads) // tp.size
+    workspace = workspace_bytes(config, 1, prefill_tokens, dtype) + 2 * batch_size * config.vocab_size * 4
+    pages = (budget - workspace - scratch) // page
+    if pages < 16:
+        raise MiniCPMError(f"no room for the KV pool: {budget / GiB:.2f} GiB free after the weights, a workspace of "
+                           f"{workspace / GiB:.2f} GiB and pages of {page / (1 << 20):.1f} MiB; raise --memory_limit, "
+                           "use --quant int4 or lower --max_batch_size")
+    return int(pages)

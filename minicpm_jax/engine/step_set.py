@@ -24,14 +24,18 @@ class StepSet(Protocol):
 
     reuse_margin: cached tokens of a reused prefix that must run again (a draft needs the target's
     feature of the last reused position). tokens_per_block: the most tokens a row advances in one decode
-    block. has_logprobs: whether first tokens and decode blocks can return log-probabilities.
-    compile_time: seconds spent compiling so far.
+    block. has_logprobs: whether first tokens and decode blocks can return log-probabilities. decodes_rows:
+    whether a decode block computes only the ``rows`` it is given (else every slot, finished ones masked).
+    compile_time: seconds spent compiling so far. page_size: the programs run over a paged cache of pages of
+    this size, or over the contiguous cache (None).
     """
 
     model: Any
+    page_size: int | None
     reuse_margin: int
     tokens_per_block: int
     has_logprobs: bool
+    decodes_rows: bool
 
     @property
     def compile_time(self) -> float: ...
@@ -56,8 +60,9 @@ class StepSet(Protocol):
         """Decoding begins from ``ds`` for every row, or for the rows ``bool[B]`` joining a running batch."""
 
     def decode_block(self, cache: Cache, ds: DecodeState, mode: str, sampling: str = "auto",
-                     logprobs: int = 0) -> tuple:
-        """One decode block: (cache, state, tokens ``int32[B, tokens_per_block]``, [log-probabilities])."""
+                     logprobs: int = 0, rows: np.ndarray | None = None) -> tuple:
+        """One decode block: (cache, state, tokens ``int32[B, tokens_per_block]``, [log-probabilities]); with
+        ``rows`` (distinct slots ``int32[b]``) only those slots are computed, the others keep their state."""
 
     def accepted(self) -> np.ndarray | None:
         """Speculative rounds of the last decode loop by tokens emitted, summed over rows (None: plain)."""

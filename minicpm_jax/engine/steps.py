@@ -145,6 +145,25 @@ def decode_steps(graphdef, state, cache: KVCache, ds: DecodeState, *, num_steps:
     return (cache, ds, out, lps) if logprobs else (cache, ds, out)
 
 
+def decode_rows(graphdef, state, cache, ds: DecodeState, idx, *, num_steps: int, mode: str = "dense",
+                sampling: str = "auto", logprobs: int = 0):
+    """:func:`decode_steps` over the slots ``idx int32[b]`` alone (distinct slots; the cache's view of them —
+    free for a paged cache, whose rows are page-table rows — and their decode state); the other slots are
+    neither computed nor changed. Returns what :func:`decode_steps` does, over every slot (tokens -1 and
+    log-probabilities 0 for the others)."""
+    b = ds.tok.shape[0]
+    rows = jax.tree.map(lambda x: x[idx], ds)
+    out = decode_steps(graphdef, state, cache.take_rows(idx), rows, num_steps=num_steps, mode=mode,
+                       sampling=sampling, logprobs=logprobs)
+    cache = cache.put_rows(idx, out[0])
+    ds = jax.tree.map(lambda full, r: full.at[idx].set(r), ds, out[1])
+    tokens = jnp.full((b, num_steps), -1, jnp.int32).at[idx].set(out[2])
+    if not logprobs:
+        return cache, ds, tokens
+    lps = tuple(jnp.zeros((b, *x.shape[1:]), x.dtype).at[idx].set(x) for x in out[3])
+    return cache, ds, tokens, lps
+
+
 # ------------------------------------------------------------------------------------------ plain decode
 class PlainSteps:
     """Plain decoding's programs for ``model``: a prompt chunk, the first token, ``decode_block`` steps (a
@@ -152,24 +171,29 @@ class PlainSteps:
 
     reuse_margin = 0
     has_logprobs = True
+    decodes_rows = True
 
-    def __init__(self, model: MiniCPMForCausalLM, *, decode_block: int):
+    def __init__(self, model: MiniCPMForCausalLM, *, decode_block: int, page_size: int | None = None):
+        """page_size: the programs run over a paged cache of pages of this size (None: the contiguous one)."""
         self.model = model
+        self.page_size = page_size
         self.graphdef, self.state = nnx.split(model)
         self.tokens_per_block = decode_block
         # A model split over a mesh runs each program as one SPMD program (parameters and cache by their
         # specs, everything else replicated); the first token needs no model: a plain replicated jit.
-        mesh, s, c, r = model.mesh, model.param_specs(self.state), model.cache_specs(), REPLICATED
+        mesh, s, c, r = model.mesh, model.param_specs(self.state), model.cache_specs(page_size), REPLICATED
         prefill = spmd(mesh, functools.partial(prefill_chunk, self.graphdef), (s, c, r, r, r), (c, r))
         rows = spmd(mesh, functools.partial(prefill_rows, self.graphdef), (s, c, r, r, r), (c, r))
-        decode = spmd(mesh, functools.partial(decode_steps, self.graphdef, num_steps=decode_block), (s, c, r),
-                      lambda logprobs=0, **_: (c, r, r, r) if logprobs else (c, r, r))
+        outs = lambda logprobs=0, **_: (c, r, r, r) if logprobs else (c, r, r)  # noqa: E731
+        decode = spmd(mesh, functools.partial(decode_steps, self.graphdef, num_steps=decode_block), (s, c, r), outs)
+        subset = spmd(mesh, functools.partial(decode_rows, self.graphdef, num_steps=decode_block), (s, c, r, r), outs)
         self.compiled = Compiled({
             "prefill": jax.jit(prefill, donate_argnums=1, static_argnames="mode"),
             "prefill_rows": jax.jit(rows, donate_argnums=1, static_argnames="mode"),
             "first": jax.jit(functools.partial(first_token, max_length=model.max_length),
                              static_argnames=("sampling", "logprobs")),
             "decode": jax.jit(decode, donate_argnums=1, static_argnames=("mode", "sampling", "logprobs")),
+            "decode_rows": jax.jit(subset, donate_argnums=1, static_argnames=("mode", "sampling", "logprobs")),
         })
 
     @property
@@ -204,9 +228,14 @@ class PlainSteps:
         """Decoding begins from ``ds`` for every row, or for the rows ``bool[B]`` joining a running batch
         (plain decoding needs nothing)."""
 
-    def decode_block(self, cache: KVCache, ds: DecodeState, mode: str, sampling: str = "auto", logprobs: int = 0):
+    def decode_block(self, cache: KVCache, ds: DecodeState, mode: str, sampling: str = "auto", logprobs: int = 0,
+                     rows: np.ndarray | None = None):
         """One decode block; returns (cache, state, tokens ``int32[B, decode_block]``, -1 = none), and the
-        tokens' log-probabilities when ``logprobs`` > 0 (see :func:`decode_steps`)."""
+        tokens' log-probabilities when ``logprobs`` > 0 (see :func:`decode_steps`). rows: only these slots
+        (``int32[b]``, distinct) are computed (:func:`decode_rows`), the others keep their state."""
+        if rows is not None:
+            return self.compiled("decode_rows", len(rows), self.state, cache, ds, np.asarray(rows, np.int32), mode=mode,
+                                 sampling=sampling, logprobs=logprobs)
         return self.compiled("decode", None, self.state, cache, ds, mode=mode, sampling=sampling, logprobs=logprobs)
 
     def accepted(self) -> None:

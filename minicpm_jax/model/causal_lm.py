@@ -21,6 +21,7 @@ from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.infllm.policy import resolve_sparse
 from minicpm_jax.model.attention import Attention, resolve_attention_impl
 from minicpm_jax.model.cache import KVCache, TreeInputs
+from minicpm_jax.model.paged_cache import PagedKVCache
 from minicpm_jax.model.layers import MLP, Embed, Linear, RMSNorm
 from minicpm_jax.model.parallel import EMBED, VOCAB, TensorParallel, allocate, cache_specs, mesh_size, state_specs
 from minicpm_jax.quant import QuantSpec
@@ -123,12 +124,30 @@ class MiniCPMForCausalLM(nnx.Module):
                                                           self.dtype, sparse, kv_heads=self.tp.stored_kv_heads),
                         cache_specs)
 
+    def new_paged_cache(self, *, num_pages: int, page_size: int, batch_size: int) -> PagedKVCache:
+        """An empty :class:`~minicpm_jax.model.paged_cache.PagedKVCache`: a pool of ``num_pages`` pages of
+        ``page_size`` tokens viewed by ``batch_size`` rows of up to ``max_length`` tokens (split over the
+        mesh by KV heads like :meth:`new_cache`). MiniCPMError for InfLLM-v2 sparse attention, whose
+        compressed keys have no paged layout yet."""
+        if self.sparse_active:
+            raise MiniCPMError("the paged KV cache does not hold InfLLM-v2's compressed keys yet: use the contiguous "
+                               "cache (--kv_cache contiguous) or dense attention (--sparse off)")
+        return allocate(self.mesh, lambda: PagedKVCache.create(
+            self.config, num_pages=num_pages, page_size=page_size, batch_size=batch_size, max_length=self.max_length,
+            dtype=self.dtype, kv_heads=self.tp.stored_kv_heads), cache_specs)
+
     def param_specs(self, state: nnx.State) -> nnx.State:
         """The PartitionSpecs of this model's ``nnx.split`` state over its mesh (all replicated at size 1)."""
         return state_specs(state, self.tp)
 
-    def cache_specs(self) -> KVCache:
-        """The PartitionSpecs of this model's caches (a :class:`KVCache` of specs)."""
+    def cache_specs(self, page_size: int | None = None) -> KVCache | PagedKVCache:
+        """The PartitionSpecs of this model's caches: a :class:`KVCache` of specs, or with ``page_size`` a
+        :class:`~minicpm_jax.model.paged_cache.PagedKVCache` of specs (of pages of that size)."""
+        if page_size is not None:
+            shape = jax.eval_shape(lambda: PagedKVCache.create(self.config, num_pages=1, page_size=page_size,
+                                                               batch_size=1, max_length=self.max_length,
+                                                               dtype=self.dtype))
+            return cache_specs(shape)
         sparse = self.sparse if self.sparse_active else None
         return cache_specs(jax.eval_shape(lambda: KVCache.create(self.config, 1, 16, self.dtype, sparse)))
 
@@ -164,7 +183,7 @@ class MiniCPMForCausalLM(nnx.Module):
         b, t = tokens.shape
         if num_valid is None:
             num_valid = jnp.full((b,), t, jnp.int32)
-        if self.sparse_active and cache.k1 is None:
+        if self.sparse_active and getattr(cache, "k1", None) is None:
             raise MiniCPMError("this model uses InfLLM-v2 sparse attention: make its cache with model.new_cache(...)")
         steps = jnp.arange(t, dtype=jnp.int32)
         positions = cache.lengths[:, None] + steps[None, :]

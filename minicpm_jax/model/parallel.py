@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.model.paged_cache import PagedKVCache
 from minicpm_jax.quant import QuantSpec
 
 AXIS = "tp"  # the mesh axis tensor parallelism splits over
@@ -259,8 +260,13 @@ def state_specs(state: nnx.State, tp: TensorParallel | None) -> nnx.State:
 
 
 def cache_specs(cache) -> object:
-    """PartitionSpecs of a :class:`~minicpm_jax.model.cache.KVCache` (the same dataclass): K/V and the
-    compressed keys ``[L, B, KVH, N, D]`` split on their heads, lengths replicated."""
+    """PartitionSpecs of a cache (the same dataclass): a :class:`~minicpm_jax.model.cache.KVCache`'s K/V and
+    compressed keys ``[L, B, KVH, N, D]``, or a :class:`~minicpm_jax.model.paged_cache.PagedKVCache`'s pool
+    ``[L, KVH, slots, D]``, split on their heads; lengths and page tables replicated."""
+    if isinstance(cache, PagedKVCache):
+        heads = P(None, AXIS)
+        return dataclasses.replace(cache, k=heads, v=heads, page_table=REPLICATED, lengths=REPLICATED,
+                                   tree_base=REPLICATED)
     heads = P(None, None, AXIS)
     return dataclasses.replace(cache, k=heads, v=heads, lengths=REPLICATED,
                                k1=None if cache.k1 is None else heads, k2=None if cache.k2 is None else heads)

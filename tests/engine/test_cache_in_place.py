@@ -47,7 +47,9 @@ def sparse_model():
 
 
 def _shapes(cache) -> set[tuple[int, ...]]:
-    return {tuple(x.shape) for x in (cache.k, cache.v, cache.k1, cache.k2) if x is not None}
+    """The shapes of a cache's big buffers (K/V, a contiguous cache's compressed keys; a paged pool)."""
+    return {tuple(x.shape) for x in (cache.k, cache.v, getattr(cache, "k1", None), getattr(cache, "k2", None))
+            if x is not None}
 
 
 def test_plain_steps_of_a_sparse_model_write_the_cache_in_place(sparse_model):
@@ -65,4 +67,34 @@ def test_speculative_rounds_write_both_caches_in_place(sparse_model):
                                batch_size=1, chunk_length=16, decode_block=2)
     engine.generate([PROMPT], max_new_tokens=40)
     shapes = _shapes(sparse_model.new_cache(1)) | _shapes(engine.steps.dcache)
+    assert cache_copies(engine.steps.compiled, shapes) == []
+
+
+@pytest.mark.parametrize("draft_kind", [None, "minicpm"])
+def test_paged_steps_write_the_pool_in_place(draft_kind):
+    """The paged pool through every program a server runs: prompt pieces over some rows, decode blocks over
+    a subset of rows (plain) or every row (speculative rounds, whose trees sit in the scratch regions and
+    whose accepted paths are copied into the pages)."""
+    from minicpm_jax.engine.paging import Paging
+    from minicpm_jax.engine.sampling import SamplingParams
+    from minicpm_jax.engine.scheduler import Request, Scheduler
+
+    cfg = ModelConfig.from_dict(tiny_minicpm_config(vocab_size=40))
+    model = MiniCPMForCausalLM(cfg, max_length=64, attention_impl="xla", dtype=jnp.float32, rngs=nnx.Rngs(0))
+    paging = Paging(num_pages=12, page_size=16)
+    if draft_kind is None:
+        engine = Engine(model, batch_size=4, chunk_length=16, decode_block=2, paging=paging)
+    else:
+        draft = EagleDraft(DraftSpec.for_target(cfg, draft_kind), max_length=64, attention_impl="xla",
+                           dtype=jnp.float32, rngs=nnx.Rngs(1))
+        engine = SpeculativeEngine(model, draft, spec=SpecConfig(num_iter=2, topk_per_iter=3, tree_size=6),
+                                   batch_size=4, chunk_length=16, decode_block=1, paging=paging)
+    sched = Scheduler(engine, prefill_budget=16)
+    for prompt in (PROMPT[:20], PROMPT[:5]):
+        sched.submit(Request(prompt, SamplingParams(), 12, [], lambda _: False, lambda *_: None))
+    while sched.active or sched.queued:
+        sched.step()
+    names = {key[0] for key in engine.steps.compiled.executables}
+    assert {"prefill_rows", "decode" if draft_kind else "decode_rows"} <= names
+    shapes = _shapes(engine.cache) | (_shapes(engine.steps.dcache) if draft_kind else set())
     assert cache_copies(engine.steps.compiled, shapes) == []

@@ -22,6 +22,7 @@ from flax import nnx
 from minicpm_jax.config import DraftSpec, ModelConfig
 from minicpm_jax.engine import memory
 from minicpm_jax.engine.engine import Engine
+from minicpm_jax.engine.paging import Paging
 from minicpm_jax.engine.sampling import SamplingParams
 from minicpm_jax.engine.speculative.engine import SpeculativeEngine
 from minicpm_jax.errors import MiniCPMError
@@ -137,9 +138,11 @@ def _one_device(mode: str, ckpt: str):
     return _MODELS[mode]
 
 
-def _engine(model, draft, batch: int, mesh=None):
+def _engine(model, draft, batch: int, mesh=None, paged: bool = False):
     if draft is None:
-        return Engine(model, batch_size=batch, chunk_length=32, decode_block=4, mesh=mesh)
+        # The paged pool: 16-token pages, scattered (each row's pages interleaved with the others').
+        paging = Paging(num_pages=batch * -(-MAX_LEN // 16), page_size=16) if paged else None
+        return Engine(model, batch_size=batch, chunk_length=32, decode_block=4, mesh=mesh, paging=paging)
     copy = nnx.merge(*nnx.split(draft))  # each engine replicates its own draft
     return SpeculativeEngine(model, copy, batch_size=batch, chunk_length=32, decode_block=2, mesh=mesh)
 
@@ -154,6 +157,7 @@ def _run(engine, prompts):
 
 CASES = [(m, n) for m in ("dense", "int4", "act_order", "sparse", "speculative") for n in (2, 4, 8)]
 CASES.append(("speculative_sparse", 4))  # tree nodes verified sparsely with a split query group
+CASES += [("paged", 4), ("paged", 8)]  # the pool split by KV heads (copied at 8), against one contiguous device
 
 
 _WANT: dict = {}
@@ -161,7 +165,7 @@ _WANT: dict = {}
 
 @pytest.mark.parametrize("mode,size", CASES)
 def test_split_model_equals_one_device(mode, size, ckpt):
-    model, draft = _one_device(mode, ckpt)
+    model, draft = _one_device("dense" if mode == "paged" else mode, ckpt)
     mesh = None
     if mode == "dense":  # read straight into the mesh
         split = load_model(ckpt, dtype=jnp.float32, max_length=MAX_LEN, attention_impl="xla", sparse="off",
@@ -174,7 +178,7 @@ def test_split_model_equals_one_device(mode, size, ckpt):
         if (mode, batch) not in _WANT:
             _WANT[mode, batch] = _run(_engine(model, draft, batch), prompts)
         want_logits, want_tokens, want_accepted = _WANT[mode, batch]
-        engine = _engine(split, draft, batch, mesh)
+        engine = _engine(split, draft, batch, mesh, paged=mode == "paged")
         assert engine.model.tp.size == size
         got_logits, got_tokens, got_accepted = _run(engine, prompts)
         np.testing.assert_allclose(got_logits, want_logits, rtol=2e-5, atol=2e-5)

@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from minicpm_jax.engine.engine import Engine, split_over
+from minicpm_jax.engine.paging import Paging
 from minicpm_jax.engine.speculative.rounds import (
     AcceptRule,
     SpecConfig,
@@ -46,6 +47,8 @@ class EagleSteps:
         or None. batch_size: the engine's slots. decode_block: rounds per block.
       accept: the acceptance rule of the rounds (default :func:`~minicpm_jax.engine.speculative.rounds.match_target`,
         the target's tokens).
+      page_size: the target's cache is paged with pages of this size (None: contiguous); the draft's cache
+        is contiguous either way.
     Sparse (InfLLM-v2) targets verify each tree node as plain sparse decoding of its path would, and extend
     the compressed keys by the accepted tokens (trees at most
     :func:`~minicpm_jax.infllm.policy.tree_depth_limit` deep). With a target split over a mesh the draft,
@@ -55,10 +58,11 @@ class EagleSteps:
     # The draft needs the target feature of the last reused position, which the tail prefill recomputes.
     reuse_margin = 1
     has_logprobs = False  # a round's tokens come from several nodes' logits; none are reported
+    decodes_rows = False  # a subset of rows would copy the draft's contiguous cache rows
 
     def __init__(self, model: MiniCPMForCausalLM, draft: EagleDraft, *, spec: SpecConfig = SpecConfig(),
                  frspec_ids: np.ndarray | None = None, batch_size: int = 1, decode_block: int = 4,
-                 accept: AcceptRule = match_target):
+                 accept: AcceptRule = match_target, page_size: int | None = None):
         if draft.spec.layer.hidden_size != model.config.hidden_size or draft.spec.layer.vocab_size != model.config.vocab_size:
             raise MiniCPMError("the draft's hidden size / vocabulary do not match the target's")
         self.spec = spec.check()
@@ -76,6 +80,7 @@ class EagleSteps:
                 f"spec_num_iter {spec.num_iter} is deeper than sparse attention verifies exactly with this sparse_config "
                 f"(at most {tree_depth_limit(model.sparse)}: shorter than the coarse stride, inside the local window)")
         self.model, self.draft = model, draft
+        self.page_size = page_size
         mesh = model.mesh
         self.graphdef, self.state = nnx.split(model)
         self.dgraph, self.dstate = nnx.split(draft)
@@ -90,7 +95,7 @@ class EagleSteps:
         self.last_feat = jnp.zeros((batch_size, draft.spec.feature_size), model.dtype)
         self.rounds: SpecState | None = None  # the state carried between decode blocks
         g, dg = self.graphdef, self.dgraph
-        s, c, r = model.param_specs(self.state), model.cache_specs(), REPLICATED
+        s, c, r = model.param_specs(self.state), model.cache_specs(page_size), REPLICATED
         # prefill(state, dstate, cache, dcache, tokens, next_tokens, num_valid, next_valid, logits, last_feat)
         prefill = spmd(mesh, functools.partial(spec_prefill_chunk, g, dgraph=dg),
                        (s, r, c, r, r, r, r, r, r, r), (c, r, r, r))
@@ -172,8 +177,11 @@ class EagleSteps:
                                 pend_feat=pick(fresh.pend_feat, self.rounds.pend_feat),
                                 pend_n=pick(fresh.pend_n, self.rounds.pend_n), accepted=self.rounds.accepted)
 
-    def decode_block(self, cache: KVCache, ds: DecodeState, mode: str, sampling: str = "auto", logprobs: int = 0):
-        """``decode_block`` rounds; returns (cache, state, tokens ``int32[B, rounds·A]``, -1 = none)."""
+    def decode_block(self, cache: KVCache, ds: DecodeState, mode: str, sampling: str = "auto", logprobs: int = 0,
+                     rows: np.ndarray | None = None):
+        """``decode_block`` rounds; returns (cache, state, tokens ``int32[B, rounds·A]``, -1 = none). ``rows``
+        is a hint this step set does not take: rounds run over every slot (the finished ones masked), as the
+        draft's contiguous cache would have to copy a subset's rows."""
         self._no_logprobs(logprobs)
         # The draft cache as prefill and reset left it (they replace it; the rounds' copy may be donated).
         args = (self.state, self.dstate, self.head, self.ids, cache, ds, dataclasses.replace(self.rounds, dcache=self.dcache))
@@ -208,12 +216,12 @@ class SpeculativeEngine(Engine):
 
     def __init__(self, model: MiniCPMForCausalLM, draft: EagleDraft, *, spec: SpecConfig = SpecConfig(),
                  frspec_ids: np.ndarray | None = None, batch_size: int = 1, chunk_length: int = 256,
-                 decode_block: int = 4, mesh: Mesh | None = None, scratch_rows: int = 1):
+                 decode_block: int = 4, mesh: Mesh | None = None, scratch_rows: int = 1, paging: Paging | None = None):
         model = split_over(model, mesh)
         steps = EagleSteps(model, draft, spec=spec, frspec_ids=frspec_ids, batch_size=batch_size,
-                           decode_block=decode_block)
+                           decode_block=decode_block, page_size=None if paging is None else paging.page_size)
         super().__init__(model, batch_size=batch_size, chunk_length=chunk_length, decode_block=decode_block,
-                         steps=steps, scratch_rows=scratch_rows)
+                         steps=steps, scratch_rows=scratch_rows, paging=paging)
 
     @property
     def spec(self) -> SpecConfig:
