@@ -185,10 +185,25 @@ def speculative_description(engine) -> str:
             f"{spec.topk_per_iter}), window {spec.window_size or 'all'}, {vocab}")
 
 
-def cache_length_from_flags(model_path: str, dtype, *, batch_size: int) -> int:
+def paged_kv_from_flags(kv_cache: str) -> bool:
+    """Whether the KV cache is paged: ``paged`` / ``contiguous`` as named; ``auto`` pages it unless the
+    model attends sparsely (InfLLM-v2's compressed keys have no paged layout yet)."""
+    if kv_cache != "auto":
+        return kv_cache == "paged"
+    from minicpm_jax.cli.demo import resolve_model_path
+    from minicpm_jax.infllm.policy import resolve_sparse
+    from minicpm_jax.model.loading import target_config
+
+    config = target_config(resolve_model_path(FLAGS.model_path, progress=False), minicpm4_yarn=FLAGS.minicpm4_yarn)
+    return resolve_sparse(config, FLAGS.sparse, **sparse_overrides_from_flags()) is None
+
+
+def cache_length_from_flags(model_path: str, dtype, *, batch_size: int, paged: bool = False) -> int:
     """The KV-cache length ``--max_length`` asks for, checked against the model's positions and memory:
     ``auto`` is the largest that fits ``--memory_limit`` on a GPU (2048 on a CPU), both capped at the
-    context the model supports; a number that does not fit is a MiniCPMError naming one that does."""
+    context the model supports; a number that does not fit is a MiniCPMError naming one that does. A paged
+    cache holds no row of its own: its ``max_length`` only bounds one sequence, and ``auto`` on a GPU is the
+    model's whole context."""
     import jax
 
     from minicpm_jax.engine import memory
@@ -199,8 +214,12 @@ def cache_length_from_flags(model_path: str, dtype, *, batch_size: int) -> int:
     wanted = max_length_flag()
     if wanted is not None:
         check_max_length(config, wanted)
+        if paged:
+            return wanted
     elif jax.default_backend() == "cpu":
         return min(memory.CPU_AUTO_LENGTH, config.context_limit)
+    elif paged:
+        return config.context_limit
     sparse = resolve_sparse(config, FLAGS.sparse, **sparse_overrides_from_flags())
     weights = weight_bytes(model_path, dtype=dtype, quant=FLAGS.quant, group_size=FLAGS.quant_group_size,
                            minicpm4_yarn=FLAGS.minicpm4_yarn, tensor_parallel=FLAGS.tensor_parallel)
@@ -221,11 +240,12 @@ def sparse_overrides_from_flags() -> dict:
     return dict(topk=FLAGS.sparse_topk, window_size=FLAGS.sparse_window, dense_len=FLAGS.dense_len)
 
 
-def load_from_flags(*, progress: bool = True, batch_size: int = 1):
+def load_from_flags(*, progress: bool = True, batch_size: int = 1, paged: bool = False):
     """Loads what the model flags name: returns (model_path, model, tokenizer, load seconds).
 
     Without --model_path the SmolLM2 demo model is prepared (converted once) and used. batch_size: the
-    engine's rows, for sizing the cache (``--max_length auto``).
+    engine's rows, for sizing the cache (``--max_length auto``); paged: the cache will be a pool of pages
+    (``--max_length auto`` is then the model's context on a GPU).
     """
     import jax
     import jax.numpy as jnp
@@ -240,7 +260,7 @@ def load_from_flags(*, progress: bool = True, batch_size: int = 1):
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     t0 = time.perf_counter()
     mesh = mesh_from_flags()
-    max_length = cache_length_from_flags(model_path, jnp.dtype(dtype), batch_size=batch_size)
+    max_length = cache_length_from_flags(model_path, jnp.dtype(dtype), batch_size=batch_size, paged=paged)
     model = load_model(model_path, dtype=jnp.dtype(dtype), max_length=max_length,
                        attention_impl=FLAGS.attention_impl, quant=FLAGS.quant, group_size=FLAGS.quant_group_size,
                        sparse=FLAGS.sparse, sparse_overrides=sparse_overrides_from_flags(),
@@ -261,14 +281,15 @@ def spec_config_from_flags():
                       tree_size=FLAGS.spec_tree_size, window_size=FLAGS.spec_window_size).check()
 
 
-def make_engine(model, *, batch_size: int, scratch_rows: int = 1):
+def make_engine(model, *, batch_size: int, scratch_rows: int = 1, paging=None):
     """A plain :class:`~minicpm_jax.engine.engine.Engine`, or a speculative one when ``--draft_path`` is
-    given (the draft loaded for ``model``, with the FR-Spec subset of ``--frspec_path``)."""
+    given (the draft loaded for ``model``, with the FR-Spec subset of ``--frspec_path``); paging: a
+    :class:`~minicpm_jax.engine.paging.Paging` for a paged cache, None for the contiguous one."""
     from minicpm_jax.engine.engine import Engine
 
     if FLAGS.draft_path is None:
         return Engine(model, batch_size=batch_size, chunk_length=FLAGS.chunk_length, decode_block=FLAGS.decode_block,
-                      scratch_rows=scratch_rows)
+                      scratch_rows=scratch_rows, paging=paging)
     from minicpm_jax.engine.speculative.engine import SpeculativeEngine
     from minicpm_jax.io.frspec import read_frspec
     from minicpm_jax.model.loading import load_draft
@@ -281,4 +302,5 @@ def make_engine(model, *, batch_size: int, scratch_rows: int = 1):
     # decode_block counts rounds here: keep about the same tokens per host round trip.
     rounds = max(1, FLAGS.decode_block // max(1, FLAGS.spec_num_iter))
     return SpeculativeEngine(model, draft, spec=spec_config_from_flags(), frspec_ids=ids, batch_size=batch_size,
-                             chunk_length=FLAGS.chunk_length, decode_block=rounds, scratch_rows=scratch_rows)
+                             chunk_length=FLAGS.chunk_length, decode_block=rounds, scratch_rows=scratch_rows,
+                             paging=paging)

@@ -23,8 +23,8 @@ import uvicorn
 from absl import app, flags
 
 from minicpm_jax.cli.flags import (
-    apply_system_flags, fail, load_from_flags, make_engine, sparse_description, speculative_description,
-    validate_model_flags, weights_description,
+    apply_system_flags, fail, load_from_flags, make_engine, paged_kv_from_flags, sparse_description,
+    speculative_description, validate_model_flags, weights_description,
 )
 from minicpm_jax.cli.openai_api import access_log
 from minicpm_jax.errors import MiniCPMError
@@ -33,7 +33,20 @@ FLAGS = flags.FLAGS
 _H = "server"
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0 for every interface).", module_name=_H)
 flags.DEFINE_integer("port", 8000, "TCP port.", module_name=_H)
-flags.DEFINE_integer("max_batch_size", 8, "Sequences generated together (static engine slots).", module_name=_H)
+flags.DEFINE_integer("max_batch_size", 8, "Sequences generated together (the engine's slots: with a paged KV cache a "
+                     "bound on a step's sequences, not a memory reservation).", module_name=_H)
+flags.DEFINE_enum("kv_cache", "auto", ["auto", "paged", "contiguous"],
+                  "KV memory: paged = one pool of pages shared by every request, with prefix caching (a request "
+                  "holds the pages its tokens fill; prompts starting alike share them); contiguous = a whole "
+                  "--max_length row per slot; auto = paged unless the model attends sparsely (InfLLM-v2).",
+                  module_name=_H)
+flags.DEFINE_integer("page_size", 64, "Paged KV cache: tokens per page (a power of two >= 16).", module_name=_H)
+flags.DEFINE_integer("kv_pages", 0, "Paged KV cache: pages in the pool; 0 = auto: on an accelerator every page "
+                     "that fits --memory_limit once the weights are loaded, on a CPU --max_batch_size sequences of "
+                     "--max_length.", module_name=_H)
+flags.DEFINE_boolean("prefix_caching", True, "Paged KV cache: keep full pages of finished and running requests for "
+                     "later prompts that start with the same tokens (evicted least recently used first).",
+                     module_name=_H)
 flags.DEFINE_integer("max_queue", 64, "Requests that may wait for a slot; more get 429.", module_name=_H)
 flags.DEFINE_string("api_key", None, "If set, requests need 'Authorization: Bearer KEY' (401 otherwise).",
                     module_name=_H)
@@ -99,6 +112,11 @@ def _serve() -> None:
             raise MiniCPMError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
     if FLAGS.max_queue < 0 or not 0 < FLAGS.port < 65536:
         raise MiniCPMError("--max_queue must be >= 0 and --port in 1..65535")
+    if FLAGS.kv_pages < 0:
+        raise MiniCPMError(f"--kv_pages must be >= 0 (0 = auto), got {FLAGS.kv_pages}")
+    from minicpm_jax.engine.paging import Paging
+
+    Paging(num_pages=max(FLAGS.kv_pages, 1), page_size=FLAGS.page_size)  # checks --page_size before loading
     sock = listening_socket(FLAGS.host, FLAGS.port)  # before the model loads: a busy port fails at once
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
@@ -109,14 +127,18 @@ def _serve() -> None:
     if jax.process_count() > 1:
         raise MiniCPMError("the server runs in one process (its scheduler decides every step): use --tensor_parallel "
                            "over this host's devices, or several hosts with `python -m minicpm_jax.run`")
-    # Sized for the slots and the scratch rows: prompt pieces run in copies of their slots' K/V
-    # (Engine.prefill_chunk), which the memory plan must leave room for (--max_length auto).
-    scratch = scratch_rows(FLAGS.max_batch_size)
-    model_path, model, tokenizer, load_s = load_from_flags(progress=True, batch_size=FLAGS.max_batch_size + scratch)
+    paged = paged_kv_from_flags(FLAGS.kv_cache)
+    # A contiguous cache is sized for the slots and the scratch rows: prompt pieces run in copies of their
+    # slots' K/V (Engine.prefill_chunk), which the memory plan must leave room for (--max_length auto).
+    scratch = 1 if paged else scratch_rows(FLAGS.max_batch_size)
+    model_path, model, tokenizer, load_s = load_from_flags(progress=True, batch_size=FLAGS.max_batch_size + scratch,
+                                                           paged=paged)
     if not FLAGS["decode_block"].present:
         FLAGS.decode_block = SERVER_DECODE_BLOCK  # make_engine reads it (with a draft: rounds per block)
-    engine = make_engine(model, batch_size=FLAGS.max_batch_size, scratch_rows=scratch)
     budget = FLAGS.prefill_budget or AUTO_PREFILL_BUDGET.get(jax.default_backend(), ACCELERATOR_PREFILL_BUDGET)
+    paging = Paging(num_pages=FLAGS.kv_pages or auto_pool_pages(model, budget), page_size=FLAGS.page_size,
+                    prefix_caching=FLAGS.prefix_caching) if paged else None
+    engine = make_engine(model, batch_size=FLAGS.max_batch_size, scratch_rows=scratch, paging=paging)
     # On an accelerator a decode step (a few ms) is short against the host's scheduling and the HTTP
     # threads' share of the interpreter lock: dispatch the next block before waiting for the one in flight.
     scheduler = Scheduler(engine, max_queue=FLAGS.max_queue, prefill_budget=min(budget, engine.chunk_length),
@@ -126,7 +148,7 @@ def _serve() -> None:
     _warm_up(scheduler, tokenizer, stops)
     name = FLAGS.served_model_name or os.path.basename(os.path.normpath(model_path))
     print(f"minicpm-jax: {name} loaded in {load_s:.1f} s, compiled in {time.perf_counter() - t:.1f} s; "
-          f"{FLAGS.max_batch_size} slots × {model.max_length} tokens ({model.attention_impl} attention, "
+          f"{FLAGS.max_batch_size} slots × {model.max_length} tokens, {kv_description(engine)} ({model.attention_impl} attention, "
           f"{weights_description(model)} weights, sparse attention {sparse_description(model)}, speculative "
           f"{speculative_description(engine)}; prefill {scheduler.prefill_budget} tokens a step, decode blocks of "
           f"{engine.decode_block}); serving on http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
@@ -173,6 +195,31 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True  # uvicorn then closes the connections once their responses are sent
 
 
+def auto_pool_pages(model, prefill_budget: int) -> int:
+    """``--kv_pages 0``: on an accelerator the pages that fit ``--memory_limit`` beside the loaded weights and
+    the step workspaces; on a CPU (tests, development) as many as ``--max_batch_size`` whole sequences take,
+    what the contiguous cache would hold."""
+    import jax
+
+    from minicpm_jax.engine import memory
+
+    if jax.default_backend() == "cpu":
+        return FLAGS.max_batch_size * -(-model.max_length // FLAGS.page_size)
+    return memory.pool_pages(model.config, budget=memory.device_budget(FLAGS.memory_limit), dtype=model.dtype,
+                             page_size=FLAGS.page_size, batch_size=FLAGS.max_batch_size,
+                             prefill_tokens=2 * max(prefill_budget, FLAGS.chunk_length),
+                             tensor_parallel=FLAGS.tensor_parallel)
+
+
+def kv_description(engine) -> str:
+    """The KV cache in a few words, for the startup line."""
+    if not engine.paged:
+        return "contiguous KV cache"
+    p = engine.paging
+    caching = "prefix caching" if p.prefix_caching else "no prefix caching"
+    return f"paged KV cache of {p.num_pages} pages × {p.page_size} tokens ({p.num_pages * p.page_size} tokens, {caching})"
+
+
 def listening_socket(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port`` (uvicorn listens on it); MiniCPMError when the address is taken or
     not this machine's."""
@@ -202,6 +249,7 @@ def _warm_up(scheduler, tokenizer, stops: list[int]) -> None:
 
     ids = encode_prompt(tokenizer, "Hello", use_chat_template=False) or [0]
     scheduler.compile_prefill(ids[0])
+    scheduler.compile_decode()
     long = (ids * scheduler.piece)[: min(scheduler.piece, scheduler.engine.max_length - 3)]
     short = long[: max(1, len(long) // 2)]
     errors = []

@@ -137,6 +137,11 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
         out = {"status": "ok", "active": scheduler.active, "queued": scheduler.queued,
                "completed": scheduler.completed, "finished": dict(scheduler.finished),
                "generated_tokens": scheduler.generated_tokens, "speculative": speculative}
+        engine = scheduler.engine
+        if engine.paged:  # the pool: pages in use, cached, free; prefix-cache hits; preemptions
+            out["kv_cache"] = {"kind": "paged", **engine.page_stats(), "preempted": scheduler.preempted}
+        else:
+            out["kv_cache"] = {"kind": "contiguous", "slots": engine.batch_size, "max_length": engine.max_length}
         counts = scheduler.accept_counts
         if counts is not None:  # rounds by tokens emitted, since the start
             rounds = sum(counts)
@@ -232,7 +237,9 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         # Tokens delivered: past a stop string the rest of the decode block is generated but not billed.
         done = lambda: sum(g.text.tokens for g in gens)
-        usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": done(), "total_tokens": len(ids) + done()}
+        usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": done(), "total_tokens": len(ids) + done(),
+                         # prompt tokens served from the prefix cache (the prompt is computed once for n > 1)
+                         "prompt_tokens_details": {"cached_tokens": min(r.cached_tokens for r in reqs)}}
         http.state.rid, http.state.usage = rid, usage
         http.state.first_token = lambda: min((g.first_token_at for g in gens if g.first_token_at), default=None)
         if body.stream:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minicpm_jax.engine.engine import Engine
+from minicpm_jax.engine.engine import Engine, decode_row_counts
 from minicpm_jax.engine.sampling import TOP_LOGPROBS, SamplingParams
 from minicpm_jax.engine.stops import FINISH_NAMES, DecodeState, stop_table
 from minicpm_jax.errors import MiniCPMError
@@ -80,6 +80,8 @@ class Request:
     end_reason: str = "cancelled"  # the finish reason a cancelled request ends with
     logprobs: int | None = None
     on_logprobs: Callable[[list[tuple[float, list[tuple[int, float]]]]], None] | None = None
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (paged engines) when first admitted
+    preemptions: int = 0  # times its pages were taken back; it resumed from its prompt and output so far
 
 
 class Scheduler:
@@ -120,7 +122,11 @@ class Scheduler:
         self.piece = min(budget, engine.chunk_length)  # tokens of one prompt per step
         self.overlap = overlap
         self.slots: list[Request | None] = [None] * engine.batch_size
-        self._fed = [0] * engine.batch_size  # prompt tokens of each slot's request in the cache
+        # What each slot feeds: its request's prompt (and, resuming after a preemption, the output so far),
+        # how much of it is in the cache, and how long the output was when the slot took the request.
+        self._seq: list[list[int]] = [[] for _ in range(engine.batch_size)]
+        self._fed = [0] * engine.batch_size
+        self._out0 = [0] * engine.batch_size
         self._admitted = [0] * engine.batch_size  # admission order (oldest prompt first)
         self._admissions = 0
         self._pending = None  # the decode block in flight: read during the next step
@@ -135,6 +141,7 @@ class Scheduler:
         self.generated_tokens = 0
         # Speculative decoding: rounds by the tokens they emitted (0, 1, ..., A) since the start; else None.
         self.accept_counts: list[int] | None = None
+        self.preempted = 0  # paged engines: requests whose pages were taken back (they resume later)
 
     # ------------------------------------------------------------------ client side (any thread)
     def check(self, prompt_ids: list[int], max_new_tokens: int) -> None:
@@ -148,6 +155,9 @@ class Scheduler:
             raise MiniCPMError(f"the prompt has {len(prompt_ids)} tokens but the context is {eng.max_length} tokens")
         if max_new_tokens < 1:
             raise MiniCPMError(f"max_tokens must be >= 1, got {max_new_tokens}")
+        if eng.paged and eng.books.pages_for(len(prompt_ids) + 1) > eng.books.pages.num_pages:
+            raise MiniCPMError(f"the prompt has {len(prompt_ids)} tokens but the KV pool holds "
+                               f"{eng.books.pages.num_pages * eng.books.page_size}")
 
     def submit(self, request: Request) -> None:
         """Queues ``request``; raises QueueFull when ``max_queue`` requests are already waiting."""
@@ -179,10 +189,12 @@ class Scheduler:
         "shutdown" at once (called from any thread); running requests go on to their end."""
         with self._cv:
             self._draining = True
-            while self._queue:
-                req = self._queue.popleft()
-                self.finished["shutdown"] += 1
-                req.on_finish("shutdown", None)
+            kept = collections.deque(r for r in self._queue if r.preemptions and not r.cancelled)  # started: run on
+            for req in self._queue:
+                if req not in kept:
+                    self.finished["shutdown"] += 1
+                    req.on_finish("shutdown", None)
+            self._queue = kept
             self._cv.notify()
 
     def cancel_all(self, reason: str = "shutdown") -> None:
@@ -260,11 +272,14 @@ class Scheduler:
         self._admit()
         self._drop_cancelled()
         started = self._prefill()
-        decoding = [req is not None and self._fed[slot] == len(req.prompt_ids) for slot, req in enumerate(self.slots)]
-        if any(decoding):
-            k = self._logprobs([slot for slot, d in enumerate(decoding) if d])
-            self._ds, block, *lps = self.engine.decode(self._ds, logprobs=k)
-            self._pending = (list(self.slots), decoding, block, self._ds.done, self._ds.finish, lps[0] if k else None,
+        decoding = self._room_for_block([slot for slot, req in enumerate(self.slots)
+                                         if req is not None and self._fed[slot] == len(self._seq[slot])])
+        if decoding:
+            k = self._logprobs(decoding)
+            self._ds, block, *lps = self.engine.decode(self._ds, logprobs=k, rows=decoding)
+            running = set(decoding)
+            flags = [slot in running for slot in range(self.engine.batch_size)]
+            self._pending = (list(self.slots), flags, block, self._ds.done, self._ds.finish, lps[0] if k else None,
                              self.engine.accept_counts())
         if pending is not None:
             self._deliver_block(pending)
@@ -272,25 +287,111 @@ class Scheduler:
             self._deliver_first(*started)
 
     def _admit(self) -> None:
+        """Moves queued requests into free slots, oldest first. A paged engine admits by memory: while the
+        pool has pages for the request's uncached prompt beside a page of headroom per running request
+        (the first that does not fit waits, and the ones behind it), and it holds back a request whose next
+        prompt page another slot is computing right now (it shares that page once published: the ``n``
+        completions of one request, or many clients sending one system prompt at once)."""
+        eng = self.engine
         with self._cv:
             free = [i for i, r in enumerate(self.slots) if r is None]
             taken: list[tuple[int, Request]] = []
+            waiting: list[Request] = []
+            headroom = self.active
             while free and self._queue:
                 req = self._queue.popleft()
                 if req.cancelled:
                     self.finished[req.end_reason] += 1
                     req.on_finish(req.end_reason, None)
                     continue
+                if eng.paged:
+                    seq = req.prompt_ids + req.output
+                    if eng.books.pages_for(len(seq) + 1) > eng.books.pages.num_pages:  # outgrew the pool
+                        self.finished["length"] += 1
+                        req.on_finish("length", None)
+                        continue
+                    cached = eng.cached_tokens(seq)
+                    if self._computing(seq, cached, [r.prompt_ids + r.output for _, r in taken]):
+                        waiting.append(req)
+                        continue
+                    need = eng.books.pages_for(len(seq) - cached + 1) + headroom
+                    if need > eng.available_pages() - eng.books.pages_for(cached):
+                        self._queue.appendleft(req)
+                        break
+                    headroom += 1
                 taken.append((free.pop(0), req))
+            self._queue.extendleft(reversed(waiting))
         if not taken:
             return
-        mask = np.zeros(self.engine.batch_size, bool)
-        for slot, req in taken:
+        mask = np.zeros(eng.batch_size, bool)
+        for slot, _ in taken:
             mask[slot] = True
+        eng.reset(mask)
+        for slot, req in taken:
             self.slots[slot], self._fed[slot] = req, 0
+            self._seq[slot], self._out0[slot] = req.prompt_ids + req.output, len(req.output)
+            if eng.paged:
+                self._fed[slot] = eng.admit(slot, self._seq[slot])
+                if not req.preemptions:
+                    req.cached_tokens = self._fed[slot]
             self._admissions += 1
             self._admitted[slot] = self._admissions
-        self.engine.reset(mask)
+
+    def _computing(self, seq: list[int], cached: int, starting: list[list[int]]) -> bool:
+        """Whether another request is computing the page of ``seq`` after its cached prefix: a slot that
+        has not fed it yet, or one of ``starting`` (the sequences admitted in this step), with the same
+        tokens from position 0."""
+        end = cached + self.engine.books.page_size
+        if end > len(seq):
+            return False
+        feeding = [self._seq[s] for s, req in enumerate(self.slots) if req is not None and self._fed[s] < end]
+        return any(end <= len(other) and other[:end] == seq[:end] for other in feeding + starting)
+
+    # ------------------------------------------------------------------ paged memory
+    def _known(self, slot: int) -> list[int]:
+        """The tokens whose K/V the slot's cache holds, from position 0: its fed prompt, then its output but
+        the last token (sampled, not yet run)."""
+        req, seq, fed = self.slots[slot], self._seq[slot], self._fed[slot]
+        if fed < len(seq):
+            return seq[:fed]
+        full = req.prompt_ids + req.output
+        return full[: max(len(seq), len(full) - 1)]
+
+    def _preempt(self, slot: int) -> None:
+        """Takes the slot's pages back (its full pages stay in the prefix cache) and queues its request
+        first: it resumes from its prompt and output so far, drawing the same tokens (a token's sampling
+        key depends only on the request's seed and the token's index), and none is lost or repeated."""
+        req = self.slots[slot]
+        self.engine.release(slot, self._known(slot))
+        self.slots[slot] = None
+        req.preemptions += 1
+        self.preempted += 1
+        self._mark_done([slot])
+        with self._cv:
+            self._queue.appendleft(req)
+        log.info("preempted a request to free KV pages (%d pages available)", self.engine.available_pages())
+
+    def _running(self) -> list[int]:
+        return [slot for slot, req in enumerate(self.slots) if req is not None]
+
+    def _room_for_block(self, decoding: list[int]) -> list[int]:
+        """The decoding slots whose next block fits the pool: the youngest requests are preempted until it
+        does. A request alone that outgrows the whole pool ends with ``length``."""
+        eng = self.engine
+        if not eng.paged:
+            return decoding
+        per_block = eng.steps.tokens_per_block
+        while decoding and eng.pages_needed({s: per_block for s in decoding}) > eng.available_pages():
+            running = self._running()
+            victim = max(running, key=self._admitted.__getitem__)
+            if len(running) == 1:
+                log.warning("a request outgrew the KV pool (%d pages): ended as length", eng.books.pages.num_pages)
+                self._finish(victim, "length")
+                self._mark_done([victim])
+            else:
+                self._preempt(victim)
+            decoding = [s for s in decoding if s != victim]
+        return decoding
 
     def _prefill(self):
         """Dispatches one prefill chunk: the oldest waiting prompt's next piece, and the next pieces of
@@ -298,41 +399,68 @@ class Scheduler:
         token sampled; returns (their slots, the state holding those tokens), or None."""
         eng = self.engine
         waiting = sorted((slot for slot, req in enumerate(self.slots)
-                          if req is not None and self._fed[slot] < len(req.prompt_ids)), key=self._admitted.__getitem__)
+                          if req is not None and self._fed[slot] < len(self._seq[slot])), key=self._admitted.__getitem__)
         if not waiting:
             return None
         rows: list[list[int]] = [[] for _ in range(eng.batch_size)]
         width, used, count = None, 0, 0
         for slot in waiting:
-            rest = self.slots[slot].prompt_ids[self._fed[slot]:]
+            rest = self._seq[slot][self._fed[slot]:]
             n = min(self.piece, len(rest))
             if width is not None and (used + n > self.prefill_budget or eng.chunk_size(n) != width
                                       or count == self.max_rows(width)):
                 continue
             width, used, count = eng.chunk_size(n), used + n, count + 1
             rows[slot] = rest
+        if eng.paged and not self._room_for_pieces(rows):
+            return None
         logits = eng.prefill_chunk(rows, self.piece)
         complete = []
         for slot, rest in enumerate(rows):
             if rest:
                 self._fed[slot] += min(self.piece, len(rest))
-                if self._fed[slot] == len(self.slots[slot].prompt_ids):
+                if eng.paged:  # other prompts with this prefix share its pages from now on
+                    eng.publish(slot, self._seq[slot][: self._fed[slot]])
+                if self._fed[slot] == len(self._seq[slot]):
                     complete.append(slot)
         if not complete:
             return None
         mask = np.zeros(eng.batch_size, bool)
         samplings = [SamplingParams()] * eng.batch_size
         budgets, stops = [1] * eng.batch_size, [[] for _ in range(eng.batch_size)]
+        generated = [0] * eng.batch_size
         for slot in complete:
             req = self.slots[slot]
             mask[slot] = True
             samplings[slot], budgets[slot], stops[slot] = req.sampling, req.max_new_tokens, req.stop_ids
+            generated[slot] = len(req.output)  # resuming after a preemption: draws go on from there
         m = jnp.asarray(mask)
-        ds = start_rows(m, eng.decode_state(samplings, budgets, stops), self._ds)
+        ds = start_rows(m, eng.decode_state(samplings, budgets, stops, generated), self._ds)
         k = self._logprobs(complete)
         self._ds, *lps = eng.first_token(ds, logits, m, logprobs=k) if k else (eng.first_token(ds, logits, m),)
         eng.start(self._ds, m)
         return complete, (self._ds.tok, self._ds.done, self._ds.finish, lps[0] if k else None)
+
+    def _room_for_pieces(self, rows: list[list[int]]) -> bool:
+        """Makes the pool hold this step's prompt pieces (``rows``, edited in place): requests younger than
+        every piece's are preempted first; then the youngest pieces wait for a later step. False if none
+        is left."""
+        eng = self.engine
+
+        def need() -> int:
+            return eng.pages_needed({s: min(self.piece, len(r)) for s, r in enumerate(rows) if r})
+
+        while need() > eng.available_pages():
+            pieces = [s for s, r in enumerate(rows) if r]
+            if not pieces:
+                return False
+            oldest_piece = min(self._admitted[s] for s in pieces)
+            younger = [s for s in self._running() if s not in pieces and self._admitted[s] > oldest_piece]
+            if younger:
+                self._preempt(max(younger, key=self._admitted.__getitem__))
+            else:
+                rows[max(pieces, key=self._admitted.__getitem__)] = []
+        return any(rows)
 
     def max_rows(self, width: int) -> int:
         """Prompts one prefill step takes at chunk width ``width``: as many as ``width``-token pieces fit
@@ -361,7 +489,26 @@ class Scheduler:
             raise MiniCPMError("compile_prefill runs before the scheduler starts, with every slot idle")
         for live, n in self.prefill_shapes():
             self.engine.prefill_chunk([[token] * (n + 1)] * live, n)
+            if self.engine.paged:  # a small pool need not hold every shape's pages at once
+                self.engine.reset()
         self.engine.reset()
+
+    def compile_decode(self) -> None:
+        """A paged engine decodes only its running rows, padded to a count of
+        :func:`~minicpm_jax.engine.engine.decode_row_counts`: runs a decode block of every such count (and the
+        whole batch with log-probabilities) on finished rows, so no request waits for those compilations
+        either. Only before :meth:`start`, with every slot idle."""
+        eng = self.engine
+        if self._thread is not None or any(self.slots):
+            raise MiniCPMError("compile_decode runs before the scheduler starts, with every slot idle")
+        if not (eng.paged and eng.steps.decodes_rows):
+            return
+        for n in decode_row_counts(eng.batch_size):
+            eng.decode(self._ds, rows=list(range(n)))
+            eng.reset()
+        if eng.has_logprobs:  # steps with log-probabilities run every slot
+            eng.decode(self._ds, logprobs=TOP_LOGPROBS)
+            eng.reset()
 
     def _logprobs(self, slots: list[int]) -> int:
         """The alternatives a step computes: ``TOP_LOGPROBS`` if a request of ``slots`` asks for any, else 0
@@ -400,6 +547,10 @@ class Scheduler:
             if self._deliver(slot, req, [int(block[slot][j]) for j in steps], bool(done[slot]), int(finish[slot]),
                              self._entries(req, lps, slot, steps)):
                 ended.append(slot)
+            elif self.engine.paged and self.slots[slot] is req:
+                # Its length on the device now, plus the block dispatched behind this one (overlap).
+                ahead = self.engine.steps.tokens_per_block if self._pending is not None and self._pending[1][slot] else 0
+                self.engine.settle(slot, len(self._seq[slot]) + len(req.output) - self._out0[slot] - 1 + ahead)
         self._mark_done(ended)
 
     def _drop_cancelled(self) -> None:
@@ -446,6 +597,8 @@ class Scheduler:
 
     def _finish(self, slot: int, reason: str, error: str | None = None) -> None:
         req = self.slots[slot]
+        if self.engine.paged:  # its pages go back; the full ones stay cached (not after a failed step)
+            self.engine.release(slot, None if error else self._known(slot))
         self.slots[slot] = None
         self.finished[reason] += 1
         try:

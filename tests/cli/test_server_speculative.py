@@ -35,12 +35,15 @@ def draft_dir(smollm2_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def plain_answers(smollm2_dir):
     """The plain greedy answers, from the engine in this process."""
+    import jax.numpy as jnp
+
     from minicpm_jax.engine.engine import Engine
     from minicpm_jax.model.loading import load_model
     from minicpm_jax.tokenizer import TextStream, encode_prompt, load_tokenizer, stop_token_ids
 
     tok = load_tokenizer(smollm2_dir)
-    model = load_model(smollm2_dir, max_length=256, attention_impl="xla")
+    # The server's dtype on a CPU (--dtype auto): in bf16 "Say hello." takes another branch at a near tie.
+    model = load_model(smollm2_dir, max_length=256, attention_impl="xla", dtype=jnp.float32)
     engine = Engine(model, batch_size=1, chunk_length=64)
     out = []
     for q in QUESTIONS:
