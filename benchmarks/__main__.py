@@ -110,6 +110,8 @@ flags.DEFINE_boolean("spmd_single", False, "e2e: also run size 1 through the sha
 flags.DEFINE_boolean("profile_collectives", False, "e2e: profile the decode loop of split models and report the "
                      "collectives' kernel time per layer.")
 flags.DEFINE_list("collective_bytes", [str(n) for n in DEFAULT_SIZES], "collectives: message sizes in bytes.")
+flags.DEFINE_list("kv_caches", ["contiguous"], "e2e: KV cache layouts to run (contiguous = a max_length row per "
+                  "sequence; paged = the server's pool of 64-token pages read through page tables), one row each.")
 flags.DEFINE_integer("batch_size", 1, "Sequences decoded together.")
 flags.DEFINE_integer("decode_steps", 128, "Tokens decoded per timed run.")
 flags.DEFINE_integer("decode_block", 32, "Decode steps per host round trip.")
@@ -261,13 +263,14 @@ def _main():
             for impl in FLAGS.attention_impls:
                 for sparse in FLAGS.sparse_modes:
                     for n, spmd in runs:
-                        rows += bench_end_to_end(FLAGS.shape, contexts, FLAGS.batch_size, FLAGS.decode_steps,
-                                                 FLAGS.decode_block, FLAGS.chunk_length, dtype, FLAGS.repeats,
-                                                 bandwidth, flops, FLAGS.max_length, dump_hlo, attention_impl=impl,
-                                                 quant=quant_spec if quant == "int4" else None, sparse=sparse,
-                                                 tensor_parallel=n, spmd=spmd,
-                                                 profile_collectives=FLAGS.profile_collectives)
-                        dump_hlo = None
+                        for kv in FLAGS.kv_caches:
+                            rows += bench_end_to_end(FLAGS.shape, contexts, FLAGS.batch_size, FLAGS.decode_steps,
+                                                     FLAGS.decode_block, FLAGS.chunk_length, dtype, FLAGS.repeats,
+                                                     bandwidth, flops, FLAGS.max_length, dump_hlo, attention_impl=impl,
+                                                     quant=quant_spec if quant == "int4" else None, sparse=sparse,
+                                                     tensor_parallel=n, spmd=spmd,
+                                                     profile_collectives=FLAGS.profile_collectives, kv_cache=kv)
+                            dump_hlo = None
         result["rows"] = [dict(dataclasses.asdict(r), pct_roofline=r.pct_roofline) for r in rows]
         tables.append(markdown(rows, bandwidth, flops, device, result.get("peer"), result.get("torch_peer"),
                                copy_source, matmul_source))

@@ -25,8 +25,10 @@ from benchmarks.shapes import SHAPES, decode_weight_bytes, prefill_flops_per_tok
 from benchmarks.timing import kernel_seconds
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.engine.engine import Engine
+from minicpm_jax.engine.paging import DEFAULT_PAGE_SIZE, Paging
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.cache import KVCache
+from minicpm_jax.model.paged_cache import PagedKVCache
 from minicpm_jax.model.parallel import TensorParallel, make_mesh
 from minicpm_jax.quant import QuantSpec
 
@@ -51,6 +53,7 @@ class Row:
     allreduce_us_per_layer: float | None = None  # profiled collective kernel time per decode step / layers
     kernel_ms_per_step: float | None = None  # profiled GPU kernel time per decode step (one device), all kernels
     top_kernels_us_per_step: dict | None = None  # the profile's longest kernels (one device), µs per decode step
+    kv_cache: str = "contiguous"  # or "paged": the server's pool of pages
 
     @property
     def decode_ms(self) -> float:
@@ -93,9 +96,12 @@ def bench_end_to_end(shape: str, contexts: list[int], batch_size: int, decode_st
                      chunk_length: int, dtype, repeats: int, bandwidth: float, flops: float,
                      max_length: int | None = None, dump_hlo: str | None = None,
                      attention_impl: str = "auto", quant: QuantSpec | None = None, sparse: str = "off",
-                     tensor_parallel: int = 1, spmd: bool = False, profile_collectives: bool = False) -> list[Row]:
+                     tensor_parallel: int = 1, spmd: bool = False, profile_collectives: bool = False,
+                     kv_cache: str = "contiguous") -> list[Row]:
     """Rows of one model (shape, weights, kernels, sparse mode) split over ``tensor_parallel`` devices
-    (``spmd``: through the sharded program even at size 1) at each context."""
+    (``spmd``: through the sharded program even at size 1) at each context; ``kv_cache`` ``paged`` runs the
+    engine over a pool of 64-token pages just large enough for the batch (as the server does, page tables
+    and all)."""
     config = ModelConfig.from_dict(SHAPES[shape])
     max_length = max_length or max(contexts) + decode_steps + 8
     if max_length < max(contexts) + decode_steps:
@@ -106,7 +112,15 @@ def bench_end_to_end(shape: str, contexts: list[int], batch_size: int, decode_st
     impl = model.attention_impl
     cache_bytes = KVCache.nbytes(config, batch_size, max_length, dtype, model.sparse, kv_heads=tp.stored_kv_heads) // tp.size
     qname = "none" if quant is None else f"int4 g{quant.group_size}"
-    engine = Engine(model, batch_size=batch_size, chunk_length=min(chunk_length, max_length), decode_block=decode_block)
+    paging = None
+    if kv_cache == "paged":
+        paging = Paging(num_pages=batch_size * -(-max_length // DEFAULT_PAGE_SIZE))
+        cache_bytes = PagedKVCache.nbytes(config, paging.num_pages, paging.page_size, batch_size, dtype,
+                                          kv_heads=tp.stored_kv_heads) // tp.size
+    elif kv_cache != "contiguous":
+        raise MiniCPMError(f"--kv_caches takes contiguous and paged, got {kv_cache!r}")
+    engine = Engine(model, batch_size=batch_size, chunk_length=min(chunk_length, max_length), decode_block=decode_block,
+                    paging=paging)
     itemsize = jnp.dtype(dtype).itemsize
     wbytes = decode_weight_bytes(config, itemsize, quant) / tp.size  # each device reads its share
     rng = np.random.default_rng(0)
@@ -144,8 +158,9 @@ def bench_end_to_end(shape: str, contexts: list[int], batch_size: int, decode_st
                       file=sys.stderr)
         rows.append(Row(shape, impl, qname, ctx, batch_size, max_length, pre, dec, roofline_ms, prefill_roof, sparse,
                         cache_bytes, stats.get("peak_bytes_in_use"), tp.size, mesh is not None, allreduce, kernels,
-                        top))
-        print(f"  {shape} {impl} {qname} sparse={sparse} tp={tp.size}{' spmd' if mesh is not None else ''} ctx={ctx}: "
+                        top, kv_cache))
+        print(f"  {shape} {impl} {qname} sparse={sparse} tp={tp.size}{' spmd' if mesh is not None else ''} "
+              f"kv={kv_cache} ctx={ctx}: "
               f"decode {dec} ms/token (roofline {roofline_ms:.3f} ms), prefill {pre} tok/s"
               + (f", collectives {allreduce:.1f} us/layer" if allreduce is not None else "")
               + (f", kernels {kernels:.3f} ms/step" if kernels is not None else ""), file=sys.stderr)
@@ -174,10 +189,10 @@ def _torch_row(peer: dict | None, r: Row) -> dict | None:
 def markdown(rows: list[Row], bandwidth: float, flops: float, device: str, peer: dict | None = None,
              torch_peer: dict | None = None, copy_source: str = "XLA copy", matmul_source: str = "XLA dot") -> str:
     attns = sorted({r["attn"] for r in (peer or {}).get("rows", [])})
-    head = ("| shape | attention | weights | sparse | TP | batch | context | max_length | decode ms/token (runs) | "
-            "roofline ms | % of roofline | decode vs dense | vs TP 1 | collectives µs/layer | prefill tok/s (runs) | "
-            "% of matmul roofline | KV cache GB/device | peak GPU GB |")
-    sep = "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    head = ("| shape | attention | weights | sparse | TP | KV | batch | context | max_length | decode ms/token (runs) | "
+            "roofline ms | % of roofline | decode vs dense | vs TP 1 | vs contiguous | collectives µs/layer | "
+            "prefill tok/s (runs) | % of matmul roofline | KV cache GB/device | peak GPU GB |")
+    sep = "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     for a in attns:
         head += f" HF {a} decode ms/token | ours vs HF {a} decode | HF {a} prefill tok/s |"
         sep += "---|---|---|"
@@ -196,19 +211,26 @@ def markdown(rows: list[Row], bandwidth: float, flops: float, device: str, peer:
         pre = ", ".join(f"{x:,.0f}" for x in r.prefill_tok_s)
         pct_pre = 100 * statistics.median(r.prefill_tok_s) / r.prefill_roofline_tok_s
         dense = [d for d in rows if d.quant == "none" and d.sparse == "off" and d.tensor_parallel == r.tensor_parallel
-                 and d.spmd == r.spmd and (d.attention_impl, d.context) == (r.attention_impl, r.context)]
+                 and d.spmd == r.spmd and (d.attention_impl, d.context, d.kv_cache) == (r.attention_impl, r.context,
+                                                                                       r.kv_cache)]
         vs_dense = f"{dense[0].decode_ms / r.decode_ms:.2f}x" if dense else "n/a"
         single = [d for d in rows if d.tensor_parallel == 1 and not d.spmd and (d.attention_impl, d.quant, d.sparse,
-                  d.context, d.batch_size) == (r.attention_impl, r.quant, r.sparse, r.context, r.batch_size)]
+                  d.context, d.batch_size, d.kv_cache) == (r.attention_impl, r.quant, r.sparse, r.context, r.batch_size,
+                                                           r.kv_cache)]
         vs_tp1 = f"{single[0].decode_ms / r.decode_ms:.2f}x" if single else "n/a"
+        same = [d for d in rows if d.kv_cache == "contiguous" and (d.attention_impl, d.quant, d.sparse, d.context,
+                d.batch_size, d.tensor_parallel, d.spmd) == (r.attention_impl, r.quant, r.sparse, r.context,
+                                                             r.batch_size, r.tensor_parallel, r.spmd)]
+        vs_contiguous = f"{same[0].decode_ms / r.decode_ms:.3f}x" if same and r.kv_cache != "contiguous" else "n/a"
         collectives = "n/a" if r.allreduce_us_per_layer is None else f"{r.allreduce_us_per_layer:.1f}"
         if r.kernel_ms_per_step is not None:
             collectives += f" (kernels {r.kernel_ms_per_step:.2f} ms/step)"
         tp = f"{r.tensor_parallel}{' (spmd)' if r.spmd and r.tensor_parallel == 1 else ''}"
         peak = "n/a" if r.peak_bytes is None else f"{r.peak_bytes / 1e9:.1f}"
-        line = (f"| {r.shape} | {r.attention_impl} | {r.quant} | {r.sparse} | {tp} | {r.batch_size} | {r.context} | "
-                f"{r.max_length} | {r.decode_ms:.3f} ({runs}) | {r.roofline_ms:.3f} | {r.pct_roofline:.1f}% | {vs_dense} | "
-                f"{vs_tp1} | {collectives} | {pre} | {pct_pre:.1f}% | {r.cache_bytes / 1e9:.2f} | {peak} |")
+        line = (f"| {r.shape} | {r.attention_impl} | {r.quant} | {r.sparse} | {tp} | {r.kv_cache} | {r.batch_size} | "
+                f"{r.context} | {r.max_length} | {r.decode_ms:.3f} ({runs}) | {r.roofline_ms:.3f} | {r.pct_roofline:.1f}% | "
+                f"{vs_dense} | {vs_tp1} | {vs_contiguous} | {collectives} | {pre} | {pct_pre:.1f}% | "
+                f"{r.cache_bytes / 1e9:.2f} | {peak} |")
         for a in attns:
             p = _peer_row(peer, a, r.context)
             if p is None or not p["decode_ms_per_token"]:

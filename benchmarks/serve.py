@@ -10,9 +10,16 @@ with ``--draft_path``):
   independently, not in one synchronised wave, whose last prompt waits for all the others'). Prompts of
   about ``--prompt_tokens`` tokens, outputs of ``--max_tokens`` (each request a deterministic draw between
   half of it and all of it, so clients do not stay in lock-step), ``ignore_eos`` so every request runs
-  its length. Reported: output tokens/s and requests/s over the level's wall time; TTFT (send → first
+  its length. A realistic mix instead: ``--prompt_range 200,4000 --output_range 100,500
+  --shared_prefix_tokens 2000 --shared_fraction 0.5`` (half the requests start with one 2,000-token system
+  prompt). Reported: output tokens/s and requests/s over the level's wall time; TTFT (send → first
   text chunk) and ITL (gap between text chunks, divided by the tokens that chunk carried) p50 / p99; the
-  server's ``/health`` speculative mean accept length when it reports one.
+  share of prompt tokens the server found cached (``usage.prompt_tokens_details.cached_tokens``) and TTFT
+  p50 of the requests with and without the shared prefix; from ``/health`` (polled while the level runs)
+  a paged server's peak KV pages in use, prefix-cache hit rate and preemptions, and the speculative mean
+  accept length when it reports one.
+* ``prefix`` — one request at a time: a new ``--prefix_prompt_tokens`` prompt (a miss), then the same prompt
+  with another ending (a hit), ``--prefix_pairs`` times; TTFT p50 of hits and misses and their ratio.
 * ``interference`` — ``--streams`` streams decode; once each has streamed 8 chunks, one prompt of
   ``--long_prompt_tokens`` tokens arrives. Reported: the streams' gaps between chunks before it arrived
   (the steady rhythm) and from then until the long prompt's first token (plus a few chunks), the median
@@ -29,6 +36,7 @@ Example on a CPU with the demo model (tiny settings; tests/bench/test_serve.py r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -115,6 +123,11 @@ class Client:
     def prompt(self, tokens: int, seed: int) -> str:
         return self.prompt_words(max(1, round(tokens * self.words_per_token) - 3), seed)
 
+    def system_prompt(self, tokens: int, seed: int = 0) -> str:
+        """A shared system prompt of about ``tokens`` tokens (the same text for the same ``seed``)."""
+        return "System: " + " ".join(WORDS[(seed * 11 + i * 5) % len(WORDS)] for i in range(
+            max(1, round(tokens * self.words_per_token) - 2))) + "\n"
+
     def _body(self, prompt: str, max_tokens: int, stream: bool = True) -> dict:
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
         if stream:
@@ -166,13 +179,69 @@ class Client:
             return {}
 
 
-def run_level(client: Client, concurrency: int, requests: int, prompt_tokens: int, max_tokens: int,
-              spread_s: float = 0.0) -> dict:
-    """``requests`` closed-loop requests over ``concurrency`` clients, client i starting
+@dataclasses.dataclass(frozen=True)
+class Mix:
+    """A request mix: prompts of ``prompt_lo``..``prompt_hi`` tokens and answers of ``output_lo``..``output_hi``
+    (deterministic draws per request), a ``shared_fraction`` of the requests starting with one
+    ``shared_tokens``-token system prompt (their own part then fills the rest, at least ``prompt_lo``)."""
+
+    prompt_lo: int
+    prompt_hi: int
+    output_lo: int
+    output_hi: int
+    shared_tokens: int = 0
+    shared_fraction: float = 0.0
+
+    @classmethod
+    def fixed(cls, prompt_tokens: int, max_tokens: int) -> "Mix":
+        """About ``prompt_tokens`` prompts, answers between half ``max_tokens`` and all of it."""
+        return cls(prompt_tokens, prompt_tokens, max(1, max_tokens // 2), max_tokens)
+
+    def request(self, client: "Client", i: int, seed: int) -> tuple[str, int, bool]:
+        """(prompt, max_tokens, shared) of request ``i``."""
+        draw = lambda lo, hi, k: lo + (i * k) % (hi - lo + 1)  # noqa: E731 - spread, reproducible
+        out = draw(self.output_lo, self.output_hi, 7919)
+        shared = self.shared_tokens > 0 and (i * 0.618034) % 1.0 < self.shared_fraction
+        if not shared:
+            return client.prompt(draw(self.prompt_lo, self.prompt_hi, 104729), seed), out, False
+        own = max(self.prompt_lo, draw(self.prompt_lo, self.prompt_hi, 104729) - self.shared_tokens)
+        return client.system_prompt(self.shared_tokens) + client.prompt(own, seed), out, True
+
+
+class HealthSampler:
+    """Polls the server's ``/health`` every ``period_s`` while a level runs: the most KV pages in use and the
+    preemptions during it (paged servers; empty otherwise)."""
+
+    def __init__(self, client: "Client", period_s: float = 0.5):
+        self.client, self.period_s, self.stop = client, period_s, threading.Event()
+        self.first = client.health().get("kv_cache", {})
+        self.peak_used = self.first.get("pages_used", 0)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.wait(self.period_s):
+            self.peak_used = max(self.peak_used, self.client.health().get("kv_cache", {}).get("pages_used", 0))
+
+    def summary(self) -> dict:
+        self.stop.set()
+        self.thread.join()
+        last = self.client.health().get("kv_cache", {})
+        if last.get("kind") != "paged":
+            return {}
+        hits = last["prefix_hits"] - self.first.get("prefix_hits", 0)
+        queries = last["prefix_queries"] - self.first.get("prefix_queries", 0)
+        return {"kv_pages_total": last["pages_total"], "kv_pages_peak_used": self.peak_used,
+                "kv_page_size": last["page_size"], "server_hit_rate": hits / queries if queries else 0.0,
+                "preempted": last["preempted"] - self.first.get("preempted", 0)}
+
+
+def run_level(client: Client, concurrency: int, requests: int, mix: Mix, spread_s: float = 0.0) -> dict:
+    """``requests`` closed-loop requests of ``mix`` over ``concurrency`` clients, client i starting
     ``i * spread_s / concurrency`` seconds after the first (independent users, not one synchronised wave);
     the level's summary."""
     lock, counter, records = threading.Lock(), [0], []
-    lengths = [max(1, max_tokens // 2 + (i * 7919) % (max_tokens - max_tokens // 2 + 1)) for i in range(requests)]
+    sampler = HealthSampler(client)
 
     def worker(k):
         time.sleep(k * spread_s / concurrency)
@@ -182,7 +251,9 @@ def run_level(client: Client, concurrency: int, requests: int, prompt_tokens: in
                 if i >= requests:
                     return
                 counter[0] += 1
-            rec = client.stream(client.prompt(prompt_tokens, 1000 * concurrency + i), lengths[i])
+            prompt, max_tokens, shared = mix.request(client, i, 1000 * concurrency + i)
+            rec = client.stream(prompt, max_tokens)
+            rec["shared"] = shared
             with lock:
                 records.append(rec)
 
@@ -193,9 +264,12 @@ def run_level(client: Client, concurrency: int, requests: int, prompt_tokens: in
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    kv = sampler.summary()
     ok = [r for r in records if not r["error"] and r["chunks"]]
     out_tokens = sum(r["usage"]["completion_tokens"] for r in ok if r["usage"])
     ttft = [r["chunks"][0] - r["sent"] for r in ok]
+    cached = [(r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in ok if r["usage"]]
+    prompt_total = sum(r["usage"]["prompt_tokens"] for r in ok if r["usage"])
     itl = []
     for r in ok:
         gaps = [b - a for a, b in zip(r["chunks"], r["chunks"][1:])]
@@ -211,8 +285,31 @@ def run_level(client: Client, concurrency: int, requests: int, prompt_tokens: in
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
         "e2e_p50_s": percentile([r["done"] - r["sent"] for r in ok], 50), "arrival_spread_s": spread_s,
-        "ttfts_s": sorted(ttft), "ids": [r.get("id") for r in ok],
+        "cached_prompt_fraction": sum(cached) / prompt_total if prompt_total else 0.0,
+        "ttft_shared_p50_s": percentile([r["chunks"][0] - r["sent"] for r in ok if r["shared"]], 50),
+        "ttft_unshared_p50_s": percentile([r["chunks"][0] - r["sent"] for r in ok if not r["shared"]], 50),
+        **kv, "ttfts_s": sorted(ttft), "ids": [r.get("id") for r in ok],
     }
+
+
+def run_prefix(client: Client, pairs: int, prompt_tokens: int, tail_tokens: int) -> dict:
+    """Prefix-cache latency, one request at a time: ``pairs`` times a new ``prompt_tokens``-token prompt
+    (a miss), then the same prompt with another ``tail_tokens``-token ending (a hit on all its whole pages);
+    TTFT p50 of the hits, of the misses, and their ratio."""
+    miss, hit, cached = [], [], []
+    for k in range(pairs):
+        system = client.system_prompt(prompt_tokens - tail_tokens, seed=70_000 + k)
+        for seed, out in ((2 * k, miss), (2 * k + 1, hit)):
+            rec = client.stream(system + client.prompt(tail_tokens, 80_000 + seed), 2)
+            if rec["error"] or not rec["chunks"]:
+                raise RuntimeError(f"prefix scenario request failed: {rec['error']}")
+            out.append(rec["chunks"][0] - rec["sent"])
+            if out is hit:
+                cached.append((rec["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    m, h = percentile(miss, 50), percentile(hit, 50)
+    return {"pairs": pairs, "prompt_tokens": prompt_tokens, "miss_ttft_p50_s": m, "hit_ttft_p50_s": h,
+            "hit_over_miss": h / m if m else None, "hit_cached_tokens_mean": statistics.mean(cached),
+            "miss_ttfts_s": miss, "hit_ttfts_s": hit}
 
 
 def run_interference(client: Client, streams: int, long_tokens: int, prompt_tokens: int, warm_chunks: int = 8,
@@ -230,6 +327,8 @@ def run_interference(client: Client, streams: int, long_tokens: int, prompt_toke
             if n == warm_chunks:
                 warmed.release()
         records[i] = client.stream(client.prompt(prompt_tokens, 50_000 + i), max_tokens, on_chunk, stop)
+        if len(records[i]["chunks"]) < warm_chunks:  # it ended early (an error): do not wait for it
+            warmed.release()
 
     threads = [threading.Thread(target=run_stream, args=(i,)) for i in range(streams)]
     for t in threads:
@@ -280,9 +379,19 @@ def main(argv: list[str] | None = None) -> dict:
                    help="NAME=FLAGS: start `python -m minicpm_jax.server FLAGS` (repeatable; default: the demo model)")
     p.add_argument("--scenarios", default="load", help="comma-separated: load, interference")
     p.add_argument("--concurrency", default="1,8,32")
-    p.add_argument("--requests", type=int, default=0, help="requests per level (default: 4 per client, at least 8)")
+    p.add_argument("--requests", type=int, default=0,
+                   help="requests per level (default: --requests_per_client per client, at least 8)")
+    p.add_argument("--requests_per_client", type=int, default=4)
     p.add_argument("--prompt_tokens", type=int, default=128)
     p.add_argument("--max_tokens", type=int, default=128)
+    p.add_argument("--prompt_range", help="LO,HI: load prompts of LO..HI tokens (instead of --prompt_tokens)")
+    p.add_argument("--output_range", help="LO,HI: load answers of LO..HI tokens (instead of --max_tokens)")
+    p.add_argument("--shared_prefix_tokens", type=int, default=0,
+                   help="load: a system prompt of this many tokens that --shared_fraction of the requests start with")
+    p.add_argument("--shared_fraction", type=float, default=0.5)
+    p.add_argument("--prefix_pairs", type=int, default=4, help="prefix: miss/hit request pairs")
+    p.add_argument("--prefix_prompt_tokens", type=int, default=2048, help="prefix: the prompts' length")
+    p.add_argument("--prefix_tail_tokens", type=int, default=32, help="prefix: the part after the shared prefix")
     p.add_argument("--streams", type=int, default=8, help="interference: decoding streams")
     p.add_argument("--long_prompt_tokens", type=int, default=2000, help="interference: the arriving prompt")
     p.add_argument("--stream_max_tokens", type=int, default=1000,
@@ -291,13 +400,36 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", help="JSON results file")
     args = p.parse_args(argv)
     scenarios = [s for s in args.scenarios.split(",") if s]
-    unknown = set(scenarios) - {"load", "interference"}
+    unknown = set(scenarios) - {"load", "interference", "prefix"}
     if unknown:
         p.error(f"unknown scenarios {sorted(unknown)}")
     levels = [int(c) for c in args.concurrency.split(",") if c]
+
+    def pair(text: str | None, name: str) -> tuple[int, int] | None:
+        if text is None:
+            return None
+        try:
+            lo, hi = (int(x) for x in text.split(","))
+        except ValueError:
+            p.error(f"--{name} takes LO,HI, got {text!r}")
+        if not 1 <= lo <= hi:
+            p.error(f"--{name} needs 1 <= LO <= HI, got {text!r}")
+        return lo, hi
+
+    prompts, outputs = pair(args.prompt_range, "prompt_range"), pair(args.output_range, "output_range")
+    fixed = Mix.fixed(args.prompt_tokens, args.max_tokens)
+    mix = Mix(*(prompts or (fixed.prompt_lo, fixed.prompt_hi)), *(outputs or (fixed.output_lo, fixed.output_hi)),
+              args.shared_prefix_tokens, args.shared_fraction)
     configs = [(None, None)] if args.url else [tuple(s.split("=", 1)) if "=" in s else (s, "") for s in args.server] \
         or [("demo", "")]
-    results = {"scenarios": scenarios, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "runs": []}
+    results = {"scenarios": scenarios, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+               "mix": dataclasses.asdict(mix), "runs": []}
+
+    def save() -> None:  # after every level too: a run cut short keeps what it measured
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+
     for name, server_flags in configs:
         server = None
         if args.url is None:
@@ -311,36 +443,47 @@ def main(argv: list[str] | None = None) -> dict:
             # server compiles lazily); the second's latency is one request's time, over which the clients'
             # first requests are spread.
             for seed in (7, 8):
-                warm = client.stream(client.prompt(args.prompt_tokens, seed), args.max_tokens)
+                warm = client.stream(client.prompt(mix.prompt_lo, seed), mix.output_hi)
+                if warm["error"]:
+                    raise RuntimeError(f"the warm-up request failed: {warm['error']}")
             spread = warm["done"] - warm["sent"]
             run = {"name": name or args.url, "server_flags": server_flags, "levels": []}
+            results["runs"].append(run)
             if "load" in scenarios:
                 for c in levels:
-                    n = args.requests or max(8, 4 * c)
-                    level = run_level(client, c, n, args.prompt_tokens, args.max_tokens, spread)
+                    n = args.requests or max(8, args.requests_per_client * c)
+                    level = run_level(client, c, n, mix, spread)
                     health = client.health()
                     if "spec_mean_accept_length" in health:
                         level["spec_mean_accept_length"] = health["spec_mean_accept_length"]
                     run["levels"].append(level)
+                    save()
                     print(f"[{run['name']}] c={c}: {level['output_tokens_per_s']:.1f} tok/s, "
                           f"TTFT p50 {level['ttft_p50_s']:.3f} s p99 {level['ttft_p99_s']:.3f} s, "
-                          f"ITL p50 {level['itl_p50_s']:.4f} s p99 {level['itl_p99_s']:.4f} s"
-                          f"{', errors ' + str(level['errors']) if level['errors'] else ''}", file=sys.stderr, flush=True)
+                          f"ITL p50 {level['itl_p50_s']:.4f} s p99 {level['itl_p99_s']:.4f} s, cached "
+                          f"{100 * level['cached_prompt_fraction']:.0f}% of prompt tokens"
+                          + (f", KV pages peak {level['kv_pages_peak_used']}/{level['kv_pages_total']}, preempted "
+                             f"{level['preempted']}" if "kv_pages_total" in level else "")
+                          + f"{', errors ' + str(level['errors']) if level['errors'] else ''}", file=sys.stderr, flush=True)
+            if "prefix" in scenarios:
+                run["prefix"] = r = run_prefix(client, args.prefix_pairs, args.prefix_prompt_tokens,
+                                               args.prefix_tail_tokens)
+                print(f"[{run['name']}] prefix cache: TTFT p50 miss {r['miss_ttft_p50_s']:.3f} s, hit "
+                      f"{r['hit_ttft_p50_s']:.3f} s ({r['hit_over_miss']:.2f}x), {r['hit_cached_tokens_mean']:.0f} "
+                      "cached tokens per hit", file=sys.stderr, flush=True)
             if "interference" in scenarios:
                 run["interference"] = r = run_interference(client, args.streams, args.long_prompt_tokens,
-                                                           args.prompt_tokens, max_tokens=args.stream_max_tokens)
+                                                           mix.prompt_lo, max_tokens=args.stream_max_tokens)
                 print(f"[{run['name']}] {args.streams} streams + a {r['long_prompt_tokens']}-token prompt: gaps median "
                       f"{r['median_gap_s']:.3f} s (steady {r['steady_median_gap_s']:.3f} s, while it is read "
                       f"{r['window_median_gap_s']:.3f} s), longest {r['max_gap_s']:.3f} s ({r['max_over_median']:.2f}x "
                       f"the median, {r['max_over_steady_median']:.2f}x the steady one); its TTFT "
                       f"{r['long_prompt_ttft_s']:.2f} s", file=sys.stderr, flush=True)
-            results["runs"].append(run)
+            save()
         finally:
             if server is not None:
                 server.stop()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    save()
     return results
 
 

@@ -97,12 +97,14 @@ def test_bench_smoke_on_cpu(tmp_path):
     md = tmp_path / "bench.md"
     png = tmp_path / "bench.png"
     r = _bench("--scenarios", "kernels,e2e", "--shape", "minicpm4-tiny", "--contexts", "40", "--attention_impls",
-               "xla,pallas", "--prefill_contexts", "32", "--decode_contexts", "64", "--decode_steps", "4",
+               "xla,pallas", "--kv_caches", "contiguous,paged", "--prefill_contexts", "32", "--decode_contexts", "64",
+               "--decode_steps", "4",
                "--decode_block", "2", "--chunk_length", "32", "--dtype", "float32", "--repeats", "1",
                "--json_out", str(out), "--markdown_out", str(md), "--plot", str(png))
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert [row["attention_impl"] for row in result["rows"]] == ["xla", "pallas"]
+    assert [(row["attention_impl"], row["kv_cache"]) for row in result["rows"]] == [
+        ("xla", "contiguous"), ("xla", "paged"), ("pallas", "contiguous"), ("pallas", "paged")]
     for row in result["rows"]:
         assert row["context"] == 40 and len(row["decode_ms_per_token"]) == 1 and row["decode_ms_per_token"][0] > 0
     for kind in ("prefill", "decode"):
@@ -110,7 +112,10 @@ def test_bench_smoke_on_cpu(tmp_path):
         assert isinstance(sec["pallas"], list) and sec["pallas"][0] > 0
         assert isinstance(sec["xla"], list) and sec["xla"][0] > 0
         assert isinstance(sec["cudnn"], str)  # no cuDNN on the CPU: reported, not fatal
-    assert "| minicpm4-tiny | pallas | none | off | 1 | 1 | 40 |" in r.stdout and md.read_text().strip() == r.stdout.strip()
+    assert "| minicpm4-tiny | pallas | none | off | 1 | contiguous | 1 | 40 |" in r.stdout
+    assert md.read_text().strip() == r.stdout.strip()
+    paged = [line for line in r.stdout.splitlines() if "| paged |" in line]
+    assert len(paged) == 2 and all(line.split(" | ")[14].endswith("x") for line in paged)  # vs contiguous
     assert png.stat().st_size > 1000
 
 
@@ -132,7 +137,7 @@ def test_bench_int4_smoke_on_cpu(tmp_path):
         assert row["seconds"]["bf16"][0] > 0 and row["seconds"]["int4_kpacked"][0] > 0
         assert row["seconds"]["int4_kpacked_tile"][0] > 0 and row["config"]["kernel"] == "planes"
     assert "int4_kpacked_tile µs" in r.stdout
-    assert "| minicpm4-tiny | xla | int4 g64 | off | 1 | 1 | 24 |" in r.stdout and "int4 dequant-GEMM, group 64" in r.stdout
+    assert "| minicpm4-tiny | xla | int4 g64 | off | 1 | contiguous | 1 | 24 |" in r.stdout and "int4 dequant-GEMM, group 64" in r.stdout
     peer = result["torch_peer"]
     assert peer["device"] == "cpu" and [(p["quant"], p["context"]) for p in peer["rows"]] == [("none", 24), ("int4", 24)]
     assert "torch decode ms/token" in r.stdout and "torch peer: torch" in r.stdout
@@ -156,7 +161,7 @@ def test_bench_tensor_parallel_smoke_on_cpu(tmp_path):
     assert all(row["decode_ms_per_token"][0] > 0 for row in result["rows"])
     [allreduce] = result["collectives"]
     assert allreduce["bytes"] == 4096 and allreduce["us"][0] > 0 and allreduce["bus_GBps"] > 0
-    assert "| minicpm4-tiny | xla | none | off | 2 | 1 | 24 |" in r.stdout and "| 1 (spmd) |" in r.stdout
+    assert "| minicpm4-tiny | xla | none | off | 2 | contiguous | 1 | 24 |" in r.stdout and "| 1 (spmd) |" in r.stdout
     assert "all-reduce over 2 × cpu" in r.stdout
 
 

@@ -1,5 +1,5 @@
 """The serving load generator (``benchmarks/serve.py``): on the CPU with the demo model and tiny settings it
-starts a server, runs both scenarios and writes JSON with the numbers the GPU benchmark records."""
+starts a server, runs every scenario and writes JSON with the numbers the GPU benchmark records."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ from benchmarks import serve
 pytestmark = pytest.mark.smollm2
 
 
-def test_load_generator_runs_both_scenarios_and_writes_json(smollm2_dir, tmp_path):
+def test_load_generator_runs_every_scenario_and_writes_json(smollm2_dir, tmp_path):
     out = tmp_path / "serve.json"
-    serve.main(["--server", "demo=--max_batch_size 2 --max_length 160", "--scenarios", "load,interference",
-                "--concurrency", "1,2", "--requests", "2", "--prompt_tokens", "16", "--max_tokens", "4",
+    serve.main(["--server", "demo=--max_batch_size 2 --max_length 160 --page_size 16",
+                "--scenarios", "load,interference,prefix", "--concurrency", "1,2", "--requests", "2",
+                "--prompt_range", "12,20", "--output_range", "2,4", "--shared_prefix_tokens", "40",
                 "--streams", "1", "--long_prompt_tokens", "100", "--stream_max_tokens", "120",
+                "--prefix_pairs", "1", "--prefix_prompt_tokens", "60", "--prefix_tail_tokens", "8",
                 "--log_dir", str(tmp_path), "--out", str(out)])
     results = json.loads(out.read_text())
     (run,) = results["runs"]
@@ -25,7 +27,12 @@ def test_load_generator_runs_both_scenarios_and_writes_json(smollm2_dir, tmp_pat
         assert level["completed"] == 2 and not level["errors"]
         assert level["output_tokens"] >= 4 and level["output_tokens_per_s"] > 0  # 2..4 tokens a request
         assert 0 < level["ttft_p50_s"] <= level["ttft_p99_s"] and 0 < level["itl_p50_s"] <= level["itl_p99_s"]
-        assert 12 <= level["prompt_tokens_mean"] <= 24  # calibrated to about --prompt_tokens
+        assert 10 <= level["prompt_tokens_mean"] <= 70  # calibrated: own parts of 12..20, one 40-token system prompt
+        assert level["kv_pages_total"] == 2 * 10 and 0 < level["kv_pages_peak_used"] <= 20 and level["preempted"] == 0
+    # The second level's request with the system prompt finds it cached (the first level computed it).
+    assert run["levels"][0]["cached_prompt_fraction"] == 0 < run["levels"][1]["cached_prompt_fraction"]
+    prefix = run["prefix"]
+    assert prefix["hit_cached_tokens_mean"] >= 48 and prefix["miss_ttft_p50_s"] > 0 and prefix["hit_over_miss"] > 0
     inter = run["interference"]
     assert inter["long_prompt_tokens"] >= 80 and not inter["long_prompt_error"] and not inter["stream_errors"]
     assert inter["max_gap_s"] > 0 and inter["max_over_median"] >= 1 and inter["long_prompt_ttft_s"] > 0
