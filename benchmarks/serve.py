@@ -232,6 +232,7 @@ class HealthSampler:
         hits = last["prefix_hits"] - self.first.get("prefix_hits", 0)
         queries = last["prefix_queries"] - self.first.get("prefix_queries", 0)
         return {"kv_pages_total": last["pages_total"], "kv_pages_peak_used": self.peak_used,
+                "kv_pages_peak_since_start": last.get("pages_used_peak"),
                 "kv_page_size": last["page_size"], "server_hit_rate": hits / queries if queries else 0.0,
                 "preempted": last["preempted"] - self.first.get("preempted", 0)}
 

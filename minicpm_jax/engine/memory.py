@@ -26,6 +26,11 @@ from minicpm_jax.model.paged_cache import PagedKVCache
 from minicpm_jax.model.parallel import TensorParallel
 
 CPU_AUTO_LENGTH = 2048  # --max_length auto on a CPU: the interactive default, not a memory question
+# Of what is free once the weights are loaded, the share a paged pool leaves to XLA besides the estimated
+# workspace: its GEMM autotuner asks for ~1.2 GiB scratch buffers at the 8B shape, and a pool that took all
+# but the estimate left it without ("Allocator ran out of memory trying to allocate 1.17GiB", H100,
+# 2026-11-26): the programs then compile with whatever algorithm needs no scratch.
+XLA_HEADROOM = 0.06
 BLOCK = 64  # auto lengths are whole InfLLM-v2 blocks (and tile the attention kernels' key blocks)
 GiB = 1 << 30
 
@@ -138,12 +143,13 @@ def pool_pages(config: ModelConfig, *, budget: int, dtype, page_size: int, batch
                tensor_parallel: int = 1) -> int:
     """Pages of a paged KV pool that fit ``budget`` (bytes still free on each device, the weights already
     loaded): what is left after a workspace for a prefill step of ``prefill_tokens`` tokens and a decode
-    step of ``batch_size`` rows, and the rows' speculative-tree scratch regions. MiniCPMError when not even
-    a sequence's worth of pages (16) fits."""
+    step of ``batch_size`` rows, :data:`XLA_HEADROOM` of the budget (at least 1 GiB) for XLA's own scratch,
+    and the rows' speculative-tree scratch regions. MiniCPMError when not even 16 pages fit."""
     tp = TensorParallel.of(config, tensor_parallel)
     page = PagedKVCache.page_nbytes(config, page_size, dtype, kv_heads=tp.stored_kv_heads) // tp.size
     scratch = PagedKVCache.nbytes(config, 0, page_size, batch_size, dtype, kv_heads=tp.stored_kv_heads) // tp.size
     workspace = workspace_bytes(config, 1, prefill_tokens, dtype) + 2 * batch_size * config.vocab_size * 4
+    workspace += max(GiB, int(XLA_HEADROOM * budget))
     pages = (budget - workspace - scratch) // page
     if pages < 16:
         raise MiniCPMError(f"no room for the KV pool: {budget / GiB:.2f} GiB free after the weights, a workspace of "

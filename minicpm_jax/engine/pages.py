@@ -110,6 +110,7 @@ class PageManager:
         self.prefix_queries = 0  # prompt tokens asked for in admit
         self.prefix_hits = 0  # of them, tokens served from the cache
         self.evictions = 0  # cached pages evicted
+        self.peak_used = 0  # the most pages slots held at once (a reservation's high-water mark)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -157,12 +158,14 @@ class PageManager:
     def stats(self) -> dict[str, int | float]:
         """Counters, safe to read from any thread: ``pages_total`` (allocatable), ``pages_free``,
         ``pages_cached`` (held by the prefix cache alone), ``pages_evictable`` (of those, the ones not under
-        a page a slot holds), ``pages_used`` (held by a slot), ``page_size``, ``prefix_queries`` /
+        a page a slot holds), ``pages_used`` (held by a slot), ``pages_used_peak`` (the most held at once since
+        the start), ``page_size``, ``prefix_queries`` /
         ``prefix_hits`` (prompt tokens asked for / served by :meth:`admit`), ``hit_rate``, ``evictions``."""
         total, free, idle = self.num_pages - self._first, len(self._free), self._idle
         queries, hits = self.prefix_queries, self.prefix_hits
         return {"pages_total": total, "pages_free": free, "pages_cached": idle, "pages_evictable": self._unlocked,
-                "pages_used": max(0, total - free - idle), "page_size": self.page_size,
+                "pages_used": max(0, total - free - idle), "pages_used_peak": self.peak_used,
+                "page_size": self.page_size,
                 "prefix_queries": queries, "prefix_hits": hits, "hit_rate": hits / queries if queries else 0.0,
                 "evictions": self.evictions}
 
@@ -193,6 +196,7 @@ class PageManager:
         self.dirty_rows.add(slot)
         cached = len(pages) * self.page_size
         self.prefix_hits += cached
+        self._note_peak()
         return cached
 
     def reserve(self, slot: int, length: int) -> bool:
@@ -222,6 +226,7 @@ class PageManager:
         self.table[slot, len(pages):len(pages) + need] = new
         pages.extend(new)
         self.dirty_rows.add(slot)
+        self._note_peak()
         return True
 
     def publish(self, slot: int, tokens: Sequence[int] | np.ndarray) -> None:
@@ -395,6 +400,9 @@ class PageManager:
             chain.append(node)
             node = node.parent
         return chain[::-1]
+
+    def _note_peak(self) -> None:
+        self.peak_used = max(self.peak_used, self.num_pages - self._first - len(self._free) - self._idle)
 
     def _take(self, page: int) -> None:
         """One more slot reference on ``page``."""

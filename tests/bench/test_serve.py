@@ -28,7 +28,9 @@ def test_load_generator_runs_every_scenario_and_writes_json(smollm2_dir, tmp_pat
         assert level["output_tokens"] >= 4 and level["output_tokens_per_s"] > 0  # 2..4 tokens a request
         assert 0 < level["ttft_p50_s"] <= level["ttft_p99_s"] and 0 < level["itl_p50_s"] <= level["itl_p99_s"]
         assert 10 <= level["prompt_tokens_mean"] <= 70  # calibrated: own parts of 12..20, one 40-token system prompt
-        assert level["kv_pages_total"] == 2 * 10 and 0 < level["kv_pages_peak_used"] <= 20 and level["preempted"] == 0
+        # Polled peaks may miss a CPU level's short requests; the server's own high-water mark does not.
+        assert level["kv_pages_total"] == 2 * 10 and 0 <= level["kv_pages_peak_used"] <= 20 and level["preempted"] == 0
+        assert 0 < level["kv_pages_peak_since_start"] <= 20
     # The second level's request with the system prompt finds it cached (the first level computed it).
     assert run["levels"][0]["cached_prompt_fraction"] == 0 < run["levels"][1]["cached_prompt_fraction"]
     prefix = run["prefix"]

@@ -84,6 +84,7 @@ def test_two_slots_share_a_published_prefix():
     pm.check()
     s = pm.stats()
     assert s["pages_cached"] == 3 and s["pages_evictable"] == 3 and s["pages_free"] == 13 and s["pages_used"] == 0
+    assert s["pages_used_peak"] == 5  # 3 shared + a private last page each, held at once
 
 
 def test_a_whole_cached_prompt_leaves_its_last_page_to_compute():

@@ -22,7 +22,7 @@ PAGES_PER_ROW = MAX_LEN // PAGE
 
 @pytest.fixture(scope="module")
 def model():
-    config = ModelConfig.from_dict(tiny_minicpm_config())
+    config = ModelConfig.from_dict(tiny_minicpm_config(num_hidden_layers=2))  # a layer's writes, then another's reads
     return MiniCPMForCausalLM(config, max_length=MAX_LEN, attention_impl="xla", dtype=jnp.float32, rngs=nnx.Rngs(3))
 
 
