@@ -31,6 +31,14 @@ def compressed_sizes(sparse: SparseConfig, max_length: int) -> tuple[int, int]:
     return max(16, n1), max(16, n2)
 
 
+@jax.jit
+def cleared_lengths(lengths: jax.Array, rows: jax.Array) -> jax.Array:
+    """``lengths int32[B]`` with the rows where ``rows bool[B]`` is True set to 0. Jitted: an eager op on
+    lengths a step is still computing blocks the host on the CPU backend until the device queue drains (a
+    server ending one request would wait for the decode block in flight)."""
+    return jnp.where(rows, 0, lengths)
+
+
 class TreeInputs(NamedTuple):
     """How a chunk of speculative-tree tokens is stored and what it sees (``pallas_kernels.tree_attention``).
 
@@ -168,7 +176,7 @@ class KVCache:
 
     def reset(self, rows: jax.Array | None = None) -> "KVCache":
         """Marks all sequences (or those where ``rows[B]`` is True) as empty; buffers are not cleared."""
-        lengths = jnp.zeros_like(self.lengths) if rows is None else jnp.where(rows, 0, self.lengths)
+        lengths = jnp.zeros_like(self.lengths) if rows is None else cleared_lengths(self.lengths, rows)
         return dataclasses.replace(self, lengths=lengths)
 
     def with_lengths(self, lengths: jax.Array) -> "KVCache":

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from minicpm_jax.config import ModelConfig
-from minicpm_jax.model.cache import TreeInputs
+from minicpm_jax.model.cache import TreeInputs, cleared_lengths
 
 # A row's tree scratch region holds a whole tree (MAX_TREE_NODES of pallas_kernels.tree_attention).
 TREE_SLOTS = 64
@@ -168,7 +168,7 @@ class PagedKVCache:
 
     def reset(self, rows: jax.Array | None = None) -> "PagedKVCache":
         """Marks all rows (or those where ``rows[B]`` is True) as empty; the pool is not cleared."""
-        lengths = jnp.zeros_like(self.lengths) if rows is None else jnp.where(rows, 0, self.lengths)
+        lengths = jnp.zeros_like(self.lengths) if rows is None else cleared_lengths(self.lengths, rows)
         return dataclasses.replace(self, lengths=lengths)
 
     def with_lengths(self, lengths: jax.Array) -> "PagedKVCache":

@@ -418,6 +418,49 @@ def test_n_choices_and_echo(client):
     assert "".join(c.choices[0].text for c in stream) == echoed.choices[0].text
 
 
+def test_multi_turn_chat_reuses_the_conversations_pages(client, server, smollm2_dir):
+    """The second turn of a chat (the whole conversation re-sent, no client flag) finds the first turn's
+    full pages in the prefix cache, its answer's included (published when the first request ended):
+    usage.prompt_tokens_details.cached_tokens counts exactly the whole pages of the longest prefix the second
+    prompt shares with the first prompt and answer, /health's hits agree, and the answer is the engine's on
+    the whole prompt from scratch. The first prompt ends 6 tokens short of a page, so its answer fills one."""
+    import jax.numpy as jnp
+
+    from minicpm_jax.engine.engine import Engine
+    from minicpm_jax.model.loading import load_model
+    from minicpm_jax.tokenizer import TextStream, encode_prompt, load_tokenizer, stop_token_ids
+
+    page = httpx.get(server.url + "/health").json()["kv_cache"]["page_size"]
+    tok = load_tokenizer(smollm2_dir)
+    for k in range(2 * page):  # " Hi" is one token: pad the system prompt to end the first prompt as wanted
+        system = {"role": "system", "content": "You are a patient geography teacher." * 20 + " Hi" * k}
+        first = [system, {"role": "user", "content": "Name the capital of Italy."}]
+        first_ids = encode_prompt(tok, messages=first)
+        if len(first_ids) % page == page - 6:
+            break
+    assert len(first_ids) % page == page - 6 and len(first_ids) > 2 * page
+    r1 = client.chat.completions.create(model="smollm2", messages=first, max_tokens=16, temperature=0)
+    answer = r1.choices[0].message.content
+    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And of Spain?"}]
+    before = httpx.get(server.url + "/health").json()["kv_cache"]
+    r2 = client.chat.completions.create(model="smollm2", messages=second, max_tokens=16, temperature=0)
+    after = httpx.get(server.url + "/health").json()["kv_cache"]
+    # The server holds K/V of the first prompt and its answer but the last token (sampled, never run).
+    known = first_ids + tok.encode(answer, add_special_tokens=False)[: r1.usage.completion_tokens - 1]
+    second_ids = encode_prompt(tok, messages=second)
+    shared = next((i for i, (a, b) in enumerate(zip(known, second_ids)) if a != b), min(len(known), len(second_ids)))
+    assert r1.usage.completion_tokens >= 7 and shared >= len(first_ids) + 6  # the answer reaches the next page
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert before["kind"] == "paged" and cached == min(shared, len(second_ids) - 1) // page * page
+    assert after["prefix_hits"] - before["prefix_hits"] == cached and after["pages_used"] <= after["pages_total"]
+    model = load_model(smollm2_dir, dtype=jnp.float32, max_length=512, attention_impl="xla")
+    (res,), _ = Engine(model, chunk_length=64).generate([second_ids], max_new_tokens=16,
+                                                       stop_token_ids=stop_token_ids(model.config, tok, smollm2_dir))
+    text = TextStream(tok, [])
+    text.push(res.token_ids)
+    assert r2.choices[0].message.content == text.finish()
+
+
 def test_scratch_rows_are_a_power_of_two_up_to_an_eighth_of_the_slots():
     """The rows the server's prompt pieces may copy out of the cache (the memory plan counts them)."""
     from minicpm_jax.cli.server import scratch_rows

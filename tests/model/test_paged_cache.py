@@ -143,3 +143,20 @@ def test_paged_cache_sizes_and_sparse_refusal(model):
     assert sparse.sparse_active
     with pytest.raises(MiniCPMError, match="compressed keys"):
         sparse.new_paged_cache(num_pages=4, page_size=PAGE, batch_size=1)
+
+
+def test_int4_weights_decode_the_same_tokens_on_both_caches():
+    """The cache kind is independent of the weights' format: a W4A16 model generates the same greedy tokens
+    over the paged pool as over the contiguous cache (rows of mixed lengths)."""
+    from minicpm_jax.engine.engine import Engine
+    from minicpm_jax.engine.paging import Paging
+    from minicpm_jax.quant import QuantSpec
+
+    config = ModelConfig.from_dict(tiny_minicpm_config(num_hidden_layers=2))
+    model = MiniCPMForCausalLM(config, max_length=MAX_LEN, attention_impl="xla", dtype=jnp.float32, rngs=nnx.Rngs(4),
+                               quant=QuantSpec(group_size=16))
+    prompts = [[5, 9, 2, 44] * 5, [7, 8]]
+    want, _ = Engine(model, batch_size=2, chunk_length=16).generate(prompts, max_new_tokens=6)
+    paged = Engine(model, batch_size=2, chunk_length=16, paging=Paging(num_pages=12, page_size=PAGE))
+    got, _ = paged.generate(prompts, max_new_tokens=6)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
