@@ -1,7 +1,8 @@
 """The server on a checkpoint that brings its own serving settings, as published MiniCPM4.1 directories do:
 sampling defaults from ``generation_config.json`` (for requests that give none, as vLLM does), a chat
 template with MiniCPM4.1's ``enable_thinking`` switch reached through ``chat_template_kwargs``, and the
-README's curl example run as written (its port aside) against it."""
+README's curl example run as written (its port aside) against it. This server keeps the contiguous KV cache
+(``--kv_cache contiguous``; the other server tests run the default paged one)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ def checkpoint(smollm2_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    s = Server("--model_path", checkpoint, "--api_key", "sk-local", "--max_batch_size", "2", "--max_length", "512")
+    # The contiguous cache (--kv_cache contiguous): the other server tests run the default, paged one.
+    s = Server("--model_path", checkpoint, "--api_key", "sk-local", "--max_batch_size", "2", "--max_length", "512",
+               "--kv_cache", "contiguous")
     yield s
     s.stop()
 
@@ -64,6 +67,8 @@ def test_requests_without_sampling_fields_take_the_checkpoint_defaults(server):
     sampled = {_chat(server, seed=seed, temperature=1.5, top_p=1.0)[1]["choices"][0]["message"]["content"]
                for seed in (1, 2, 3)}
     assert len(sampled) > 1
+    kv = httpx.get(server.url + "/health").json()["kv_cache"]
+    assert kv == {"kind": "contiguous", "slots": 2, "max_length": 512}
 
 
 def test_enable_thinking_reaches_the_chat_template(server, checkpoint):
