@@ -47,25 +47,28 @@ def test_ttft_among_8_busy_clients_is_close_to_one_client_alone(server, client):
     """Admission at every decode step and a prompt read in one piece: a request that arrives while 7
     others decode waits at most one step for its prefill (it waited for a 16-step decode block and for
     every other newcomer's whole prompt: 2.9x the single-client TTFT). TTFT as the server logs it (arrival
-    to first token; the clients' own threads, 8 against 1, are not in it); the levels alternate, so a
-    change in the machine's load during the test weighs on both. The 8 clients start spread over the time
-    a request takes among 8 (measured first, not counted), so they arrive as independent users do: a paged
-    server decodes one row faster than eight, and a spread over one client's time would send them in
-    bursts, where each newcomer also waits for the others' prompts (one 64-token piece a step on a CPU)."""
+    to first token; the clients' own threads, 8 against 1, are not in it). Three rounds, each one client
+    alone then 8 busy clients; a round's ratio compares two levels measured under the same machine load,
+    and the median round is asserted (on a shared 2-core machine one round's alone TTFT doubled from the
+    next one's). The 8 clients start spread over the time a request takes among 8 (measured first, not
+    counted), so they arrive as independent users do: a paged server decodes one row faster than eight,
+    and a spread over one client's time would send them in bursts, where each newcomer also waits for the
+    others' prompts (one 64-token piece a step on a CPU)."""
     client.stream(client.prompt(40, 1), 48)  # compiled
     mix = Mix.fixed(40, 48)
     busy_e2e = run_level(client, 8, 8, mix)["e2e_p50_s"]
-    one, eight, client_side = [], [], []
-    for _ in range(2):
+    rounds = []
+    for _ in range(3):
         alone = run_level(client, 1, 4, mix)
-        busy = run_level(client, 8, 16, mix, spread_s=busy_e2e)
-        assert alone["completed"] == 4 and busy["completed"] == 16, (alone["errors"], busy["errors"])
-        one += _server_ttfts(server, alone["ids"])
-        eight += _server_ttfts(server, busy["ids"])
-        client_side.append((alone["ttft_p50_s"], busy["ttft_p50_s"]))
-    ratio = statistics.median(eight) / statistics.median(one)
-    print(f"\nTTFT p50 (server side): 1 client {statistics.median(one):.3f} s, 8 clients {statistics.median(eight):.3f} s "
-          f"({ratio:.2f}x); client side, per round (1, 8): {[(round(a, 3), round(b, 3)) for a, b in client_side]}")
+        busy = run_level(client, 8, 12, mix, spread_s=busy_e2e)
+        assert alone["completed"] == 4 and busy["completed"] == 12, (alone["errors"], busy["errors"])
+        one = statistics.median(_server_ttfts(server, alone["ids"]))
+        eight = statistics.median(_server_ttfts(server, busy["ids"]))
+        rounds.append((one, eight, eight / one, alone["ttft_p50_s"], busy["ttft_p50_s"]))
+    ratio = statistics.median(r[2] for r in rounds)
+    print("\nTTFT p50 (server side) per round, 1 client / 8 clients / ratio (client side 1 / 8): "
+          + "; ".join(f"{a:.3f} / {b:.3f} / {c:.2f}x ({d:.3f} / {e:.3f})" for a, b, c, d, e in rounds)
+          + f"; median ratio {ratio:.2f}x")
     assert ratio <= 1.5
 
 
