@@ -51,27 +51,43 @@ def _stream_text(client, content: str, max_tokens: int = 24) -> tuple[str, str, 
     return "".join(text), finish, tokens
 
 
-def test_openai_client_answers_and_streams_the_same_text(client, smollm2_dir):
+@pytest.fixture(scope="module")
+def solo_answer(smollm2_dir):
+    """The oracle: the engine in this process, float32 as the server runs on a CPU; (text, token ids) of
+    the greedy answer to prompt ``ids`` alone."""
+    import jax.numpy as jnp
+
     from minicpm_jax.engine.engine import Engine
     from minicpm_jax.model.loading import load_model
-    from minicpm_jax.tokenizer import TextStream, encode_prompt, load_tokenizer, stop_token_ids
+    from minicpm_jax.tokenizer import TextStream, load_tokenizer, stop_token_ids
+
+    tok = load_tokenizer(smollm2_dir)
+    model = load_model(smollm2_dir, dtype=jnp.float32, max_length=512, attention_impl="xla")
+    stops = stop_token_ids(model.config, tok, smollm2_dir)
+
+    def answer(ids: list[int], max_new_tokens: int) -> tuple[str, list[int]]:
+        (res,), _ = Engine(model, batch_size=1, chunk_length=64).generate([ids], max_new_tokens=max_new_tokens,
+                                                                          stop_token_ids=stops)
+        text = TextStream(tok, [])
+        text.push(res.token_ids)
+        return text.finish(), res.token_ids
+
+    return answer
+
+
+def test_openai_client_answers_and_streams_the_same_text(client, smollm2_dir, solo_answer):
+    from minicpm_jax.tokenizer import encode_prompt, load_tokenizer
 
     question = "What is the capital of France?"
     full = _chat(client, question, 40)
     streamed, finish, _ = _stream_text(client, question, 40)
     answer = full.choices[0].message.content
     assert "Paris" in answer and streamed == answer and finish == full.choices[0].finish_reason == "stop"
-    # The oracle: the engine in this process on the same prompt.
-    tok = load_tokenizer(smollm2_dir)
-    model = load_model(smollm2_dir, max_length=512, attention_impl="xla")
-    ids = encode_prompt(tok, messages=[{"role": "user", "content": question}])
-    (res,), _ = Engine(model, batch_size=1, chunk_length=64).generate(
-        [ids], max_new_tokens=40, stop_token_ids=stop_token_ids(model.config, tok, smollm2_dir))
-    text = TextStream(tok, [])
-    text.push(res.token_ids)
-    assert answer == text.finish()
-    assert full.usage.prompt_tokens == len(ids) and full.usage.completion_tokens == len(res.token_ids)
-    assert full.usage.total_tokens == len(ids) + len(res.token_ids)
+    ids = encode_prompt(load_tokenizer(smollm2_dir), messages=[{"role": "user", "content": question}])
+    text, token_ids = solo_answer(ids, 40)
+    assert answer == text
+    assert full.usage.prompt_tokens == len(ids) and full.usage.completion_tokens == len(token_ids)
+    assert full.usage.total_tokens == len(ids) + len(token_ids)
 
 
 def test_models_completions_length_and_stop_strings(client):
@@ -418,17 +434,13 @@ def test_n_choices_and_echo(client):
     assert "".join(c.choices[0].text for c in stream) == echoed.choices[0].text
 
 
-def test_multi_turn_chat_reuses_the_conversations_pages(client, server, smollm2_dir):
+def test_multi_turn_chat_reuses_the_conversations_pages(client, server, smollm2_dir, solo_answer):
     """The second turn of a chat (the whole conversation re-sent, no client flag) finds the first turn's
     full pages in the prefix cache, its answer's included (published when the first request ended):
     usage.prompt_tokens_details.cached_tokens counts exactly the whole pages of the longest prefix the second
     prompt shares with the first prompt and answer, /health's hits agree, and the answer is the engine's on
     the whole prompt from scratch. The first prompt ends 6 tokens short of a page, so its answer fills one."""
-    import jax.numpy as jnp
-
-    from minicpm_jax.engine.engine import Engine
-    from minicpm_jax.model.loading import load_model
-    from minicpm_jax.tokenizer import TextStream, encode_prompt, load_tokenizer, stop_token_ids
+    from minicpm_jax.tokenizer import encode_prompt, load_tokenizer
 
     page = httpx.get(server.url + "/health").json()["kv_cache"]["page_size"]
     tok = load_tokenizer(smollm2_dir)
@@ -453,12 +465,7 @@ def test_multi_turn_chat_reuses_the_conversations_pages(client, server, smollm2_
     cached = r2.usage.prompt_tokens_details.cached_tokens
     assert before["kind"] == "paged" and cached == min(shared, len(second_ids) - 1) // page * page
     assert after["prefix_hits"] - before["prefix_hits"] == cached and after["pages_used"] <= after["pages_total"]
-    model = load_model(smollm2_dir, dtype=jnp.float32, max_length=512, attention_impl="xla")
-    (res,), _ = Engine(model, chunk_length=64).generate([second_ids], max_new_tokens=16,
-                                                       stop_token_ids=stop_token_ids(model.config, tok, smollm2_dir))
-    text = TextStream(tok, [])
-    text.push(res.token_ids)
-    assert r2.choices[0].message.content == text.finish()
+    assert r2.choices[0].message.content == solo_answer(second_ids, 16)[0]
 
 
 def test_scratch_rows_are_a_power_of_two_up_to_an_eighth_of_the_slots():
