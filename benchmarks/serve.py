@@ -214,7 +214,8 @@ class HealthSampler:
 
     def __init__(self, client: "Client", period_s: float = 0.5):
         self.client, self.period_s, self.stop = client, period_s, threading.Event()
-        self.first = client.health().get("kv_cache", {})
+        first = client.health()
+        self.first, self.first_steps = first.get("kv_cache", {}), first.get("steps")
         self.peak_used = self.first.get("pages_used", 0)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -226,15 +227,35 @@ class HealthSampler:
     def summary(self) -> dict:
         self.stop.set()
         self.thread.join()
-        last = self.client.health().get("kv_cache", {})
+        health = self.client.health()
+        out = step_summary(self.first_steps, health.get("steps"))
+        last = health.get("kv_cache", {})
         if last.get("kind") != "paged":
-            return {}
+            return out
         hits = last["prefix_hits"] - self.first.get("prefix_hits", 0)
         queries = last["prefix_queries"] - self.first.get("prefix_queries", 0)
-        return {"kv_pages_total": last["pages_total"], "kv_pages_peak_used": self.peak_used,
+        return {**out, "kv_pages_total": last["pages_total"], "kv_pages_peak_used": self.peak_used,
                 "kv_pages_peak_since_start": last.get("pages_used_peak"),
                 "kv_page_size": last["page_size"], "server_hit_rate": hits / queries if queries else 0.0,
                 "preempted": last["preempted"] - self.first.get("preempted", 0)}
+
+
+def step_summary(before: dict | None, after: dict | None) -> dict:
+    """Our server's scheduler steps during a level (two ``/health`` ``steps`` readings): the mean step's
+    time, the part of it the host waited for the device (near 1: the device paces the server; low: the
+    host does), the part spent dispatching, the running rows a decode block advanced and the prompt tokens a
+    step read. Empty for a server without them."""
+    if not before or not after:
+        return {}
+    d = {k: after[k] - before[k] for k in after}
+    if not d["steps"]:
+        return {}
+    return {"steps": d["steps"], "step_ms_mean": 1000 * d["busy_s"] / d["steps"],
+            "step_device_wait_fraction": d["device_wait_s"] / d["busy_s"] if d["busy_s"] else 0.0,
+            "step_dispatch_fraction": d["dispatch_s"] / d["busy_s"] if d["busy_s"] else 0.0,
+            "decode_rows_mean": d["decode_rows"] / d["decode_steps"] if d["decode_steps"] else 0.0,
+            "prefill_step_fraction": d["prefill_steps"] / d["steps"], "prefill_tokens": d["prefill_tokens"],
+            "prefill_tokens_per_step": d["prefill_tokens"] / d["steps"]}
 
 
 def run_level(client: Client, concurrency: int, requests: int, mix: Mix, spread_s: float = 0.0) -> dict:
@@ -465,6 +486,9 @@ def main(argv: list[str] | None = None) -> dict:
                           f"{100 * level['cached_prompt_fraction']:.0f}% of prompt tokens"
                           + (f", KV pages peak {level['kv_pages_peak_used']}/{level['kv_pages_total']}, preempted "
                              f"{level['preempted']}" if "kv_pages_total" in level else "")
+                          + (f"; steps {level['step_ms_mean']:.1f} ms, {100 * level['step_device_wait_fraction']:.0f}% "
+                             f"waiting for the device, {level['decode_rows_mean']:.1f} rows decoded, "
+                             f"{level['prefill_tokens_per_step']:.0f} prompt tokens a step" if "steps" in level else "")
                           + f"{', errors ' + str(level['errors']) if level['errors'] else ''}", file=sys.stderr, flush=True)
             if "prefix" in scenarios:
                 run["prefix"] = r = run_prefix(client, args.prefix_pairs, args.prefix_prompt_tokens,

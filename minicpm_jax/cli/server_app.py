@@ -136,7 +136,8 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
     async def health():
         out = {"status": "ok", "active": scheduler.active, "queued": scheduler.queued,
                "completed": scheduler.completed, "finished": dict(scheduler.finished),
-               "generated_tokens": scheduler.generated_tokens, "speculative": speculative}
+               "generated_tokens": scheduler.generated_tokens, "speculative": speculative,
+               "steps": scheduler.stats.as_dict()}
         engine = scheduler.engine
         if engine.paged:  # the pool: pages in use, cached, free; prefix-cache hits; preemptions
             out["kv_cache"] = {"kind": "paged", **engine.page_stats(), "preempted": scheduler.preempted}

@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import logging
 import threading
+import time
 from typing import Callable
 
 import jax
@@ -45,6 +46,30 @@ def start_rows(mask: jax.Array, fresh: DecodeState, state: DecodeState) -> Decod
 def end_rows(mask: jax.Array, state: DecodeState) -> DecodeState:
     """``state`` with the rows ``mask bool[B]`` marked done (jitted, see :func:`start_rows`)."""
     return dataclasses.replace(state, done=state.done | mask)
+
+
+@dataclasses.dataclass
+class StepStats:
+    """What the scheduler's steps did since it started (``/health`` reports it; a load benchmark differences
+    two readings): where a server's time goes without a profiler.
+
+    ``busy_s`` is the time inside :meth:`Scheduler.step`, ``device_wait_s`` the part of it the host spent
+    waiting for the device's results (the block in flight, the first tokens). With the device always busy
+    the wait is most of the step; a small wait means the host's work (scheduling, delivering tokens, the
+    HTTP threads' share of the interpreter lock) paces the steps, not the device; ``dispatch_s`` is the
+    part spent handing work to the device."""
+
+    steps: int = 0
+    prefill_steps: int = 0  # steps that dispatched a prompt chunk
+    prefill_tokens: int = 0  # prompt tokens those chunks carried
+    decode_steps: int = 0  # steps that dispatched a decode block
+    decode_rows: int = 0  # running rows those blocks advanced, summed over the blocks
+    busy_s: float = 0.0
+    device_wait_s: float = 0.0
+    dispatch_s: float = 0.0  # host time in the engine's calls that queue device work (its arguments, launches)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 class QueueFull(MiniCPMError):
@@ -142,6 +167,7 @@ class Scheduler:
         # Speculative decoding: rounds by the tokens they emitted (0, 1, ..., A) since the start; else None.
         self.accept_counts: list[int] | None = None
         self.preempted = 0  # paged engines: requests whose pages were taken back (they resume later)
+        self.stats = StepStats()
 
     # ------------------------------------------------------------------ client side (any thread)
     def check(self, prompt_ids: list[int], max_new_tokens: int) -> None:
@@ -266,9 +292,10 @@ class Scheduler:
         right after it; a host-side stop (stop string, cancellation) takes effect a block later (the
         extra tokens are dropped). With ``overlap`` the wait is left to the delivery of the block in flight,
         after the next block is dispatched behind it: the same decisions, a block later."""
+        t0 = time.perf_counter()
         pending, self._pending = self._pending, None
         if pending is not None and not self.overlap:
-            jax.block_until_ready(pending[2])
+            self._wait(jax.block_until_ready, pending[2])
         self._admit()
         self._drop_cancelled()
         started = self._prefill()
@@ -276,15 +303,28 @@ class Scheduler:
                                          if req is not None and self._fed[slot] == len(self._seq[slot])])
         if decoding:
             k = self._logprobs(decoding)
+            t = time.perf_counter()
             self._ds, block, *lps = self.engine.decode(self._ds, logprobs=k, rows=decoding)
+            self.stats.dispatch_s += time.perf_counter() - t
             running = set(decoding)
             flags = [slot in running for slot in range(self.engine.batch_size)]
             self._pending = (list(self.slots), flags, block, self._ds.done, self._ds.finish, lps[0] if k else None,
                              self.engine.accept_counts())
+            self.stats.decode_steps += 1
+            self.stats.decode_rows += len(decoding)
         if pending is not None:
             self._deliver_block(pending)
         if started is not None:
             self._deliver_first(*started)
+        self.stats.steps += 1
+        self.stats.busy_s += time.perf_counter() - t0
+
+    def _wait(self, fetch, value):
+        """``fetch(value)`` (a device-to-host read or a wait), its time counted as the device's."""
+        t = time.perf_counter()
+        out = fetch(value)
+        self.stats.device_wait_s += time.perf_counter() - t
+        return out
 
     def _admit(self) -> None:
         """Moves queued requests into free slots, oldest first. A paged engine admits by memory: while the
@@ -414,7 +454,11 @@ class Scheduler:
             rows[slot] = rest
         if eng.paged and not self._room_for_pieces(rows):
             return None
+        t = time.perf_counter()
         logits = eng.prefill_chunk(rows, self.piece)
+        self.stats.dispatch_s += time.perf_counter() - t
+        self.stats.prefill_steps += 1
+        self.stats.prefill_tokens += sum(min(self.piece, len(r)) for r in rows)
         complete = []
         for slot, rest in enumerate(rows):
             if rest:
@@ -437,8 +481,10 @@ class Scheduler:
         m = jnp.asarray(mask)
         ds = start_rows(m, eng.decode_state(samplings, budgets, stops, generated), self._ds)
         k = self._logprobs(complete)
+        t = time.perf_counter()
         self._ds, *lps = eng.first_token(ds, logits, m, logprobs=k) if k else (eng.first_token(ds, logits, m),)
         eng.start(self._ds, m)
+        self.stats.dispatch_s += time.perf_counter() - t
         return complete, (self._ds.tok, self._ds.done, self._ds.finish, lps[0] if k else None)
 
     def _room_for_pieces(self, rows: list[list[int]]) -> bool:
@@ -526,7 +572,7 @@ class Scheduler:
                 for j in steps]
 
     def _deliver_first(self, slots: list[int], state) -> None:
-        tok, done, finish, lps = jax.device_get(state)
+        tok, done, finish, lps = self._wait(jax.device_get, state)
         if lps is not None:
             lps = tuple(x[:, None] for x in lps)  # one step
         self._mark_done([slot for slot in slots if self.slots[slot] is not None and self._deliver(
@@ -535,7 +581,7 @@ class Scheduler:
 
     def _deliver_block(self, pending) -> None:
         owners, decoding, block, done, finish, lps, accepted = pending
-        block, done, finish, lps, accepted = jax.device_get((block, done, finish, lps, accepted))
+        block, done, finish, lps, accepted = self._wait(jax.device_get, (block, done, finish, lps, accepted))
         if accepted is not None:
             self.accept_counts = [int(x) for x in accepted]
         ended = []

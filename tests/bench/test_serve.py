@@ -31,6 +31,10 @@ def test_load_generator_runs_every_scenario_and_writes_json(smollm2_dir, tmp_pat
         # Polled peaks may miss a CPU level's short requests; the server's own high-water mark does not.
         assert level["kv_pages_total"] == 2 * 10 and 0 <= level["kv_pages_peak_used"] <= 20 and level["preempted"] == 0
         assert 0 < level["kv_pages_peak_since_start"] <= 20
+        # The server's step statistics: it read every uncached prompt token once, in steps that also decoded.
+        uncached = level["prompt_tokens_mean"] * 2 * (1 - level["cached_prompt_fraction"])
+        assert level["prefill_tokens"] == round(uncached) and level["steps"] >= 2 and level["decode_rows_mean"] >= 1
+        assert 0 < level["step_device_wait_fraction"] < 1 and 0 < level["step_dispatch_fraction"] < 1
     # The second level's request with the system prompt finds it cached (the first level computed it).
     assert run["levels"][0]["cached_prompt_fraction"] == 0 < run["levels"][1]["cached_prompt_fraction"]
     prefix = run["prefix"]

@@ -181,6 +181,13 @@ def test_a_long_prompt_is_prefilled_in_pieces_between_decode_steps(tiny_model):
         sched.step()
     assert [r.output for r, _ in recs] + [long.output, late_req.output] == want
     assert long_rec["finish"] == "length"
+    # The step statistics (/health's "steps"): every prompt token read once, the 4 first tokens sampled
+    # after prefill and the other 84 from blocks of 2: ceil(39 / 2) * 2 + 2 + 1 = 43 row-blocks, and one
+    # more for each request, dispatched before the block that ended it was read (the device skips it).
+    st = sched.stats
+    assert st.prefill_tokens == 6 + 11 + 70 + 5 and st.prefill_steps >= 5 + 3
+    assert st.decode_rows == 43 + 4 and st.decode_steps <= st.steps
+    assert st.busy_s > st.device_wait_s > 0 and st.busy_s > st.dispatch_s > 0
 
 
 def test_logprobs_arrive_with_their_tokens(tiny_model):
