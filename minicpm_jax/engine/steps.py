@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from minicpm_jax.engine.sampling import sample, token_logprobs
-from minicpm_jax.engine.stops import DecodeState, apply_stops
+from minicpm_jax.engine.stops import DecodeState, apply_stops, while_live
 from minicpm_jax.model.cache import KVCache
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
 from minicpm_jax.model.parallel import REPLICATED, spmd
@@ -125,10 +125,6 @@ def decode_steps(graphdef, state, cache: KVCache, ds: DecodeState, *, num_steps:
     lps = (jnp.zeros((b, num_steps), jnp.float32), jnp.zeros((b, num_steps, logprobs), jnp.int32),
            jnp.zeros((b, num_steps, logprobs), jnp.float32))
 
-    def cond(carry):
-        i, _, ds, _, _ = carry
-        return (i < num_steps) & jnp.any(~ds.done)
-
     def body(carry):
         i, cache, ds, out, lps = carry
         active = ~ds.done
@@ -141,7 +137,7 @@ def decode_steps(graphdef, state, cache: KVCache, ds: DecodeState, *, num_steps:
         ds, _ = apply_stops(ds, new_tok[:, None], active.astype(jnp.int32), active, cache.lengths, cache.max_length)
         return i + 1, cache, ds, out, lps
 
-    _, cache, ds, out, lps = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, ds, out, lps))
+    _, cache, ds, out, lps = while_live(body, (jnp.int32(0), cache, ds, out, lps), num_steps)
     return (cache, ds, out, lps) if logprobs else (cache, ds, out)
 
 

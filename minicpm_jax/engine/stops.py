@@ -76,3 +76,22 @@ def apply_stops(ds: DecodeState, emitted: jax.Array, count: jax.Array, active: j
         finish=jnp.where(hit_stop, FINISH_STOP, jnp.where(hit_len, FINISH_LENGTH, ds.finish)).astype(jnp.int32),
     )
     return ds, keep
+
+
+def while_live(body, carry: tuple, iterations: int) -> tuple:
+    """Runs ``body(carry) -> carry`` up to ``iterations`` times while a row of the carry's
+    :class:`DecodeState` (its third element; the first is the iteration counter) is not done.
+
+    One iteration runs without a loop: an XLA while loop on a GPU copies its condition to the host before
+    each iteration, so the host's call waits for the device to finish everything queued before it (the
+    previous block included) and only then launches the body. At one step a block (the server) that
+    serialised host and device: a step dispatched in ~9 ms of host time around ~6 ms of kernels (8B, H100).
+    Unlooped, a block whose rows are all done computes one step that changes nothing (finished rows are
+    masked), and the host queues the next block while the device runs this one."""
+    if iterations == 1:
+        return body(carry)
+
+    def cond(c):
+        return (c[0] < iterations) & jnp.any(~c[2].done)
+
+    return jax.lax.while_loop(cond, body, carry)

@@ -83,7 +83,7 @@ def test_paged_steps_write_the_pool_in_place(draft_kind):
     model = MiniCPMForCausalLM(cfg, max_length=64, attention_impl="xla", dtype=jnp.float32, rngs=nnx.Rngs(0))
     paging = Paging(num_pages=12, page_size=16)
     if draft_kind is None:
-        engine = Engine(model, batch_size=4, chunk_length=16, decode_block=2, paging=paging)
+        engine = Engine(model, batch_size=4, chunk_length=16, decode_block=1, paging=paging)
     else:
         draft = EagleDraft(DraftSpec.for_target(cfg, draft_kind), max_length=64, attention_impl="xla",
                            dtype=jnp.float32, rngs=nnx.Rngs(1))

@@ -333,3 +333,24 @@ def test_step_sets_satisfy_the_step_set_protocol(kind):
             got = [(p.name, p.default) for p in inspect.signature(getattr(cls, name)).parameters.values()]
             assert got[: len(want)] == want and all(p[1] is not inspect.Parameter.empty for p in got[len(want):]), (
                 f"{cls.__name__}.{name}{got} does not match StepSet.{name}{want}")
+
+
+def test_one_step_blocks_give_the_looped_tokens_and_a_finished_block_changes_nothing(engine, tiny_ckpt):
+    """decode_block 1 (the server's) runs its step without a loop (stops.while_live): same tokens as blocks
+    of 4, stops and budgets included; a block over rows that are all done leaves the cache and the state
+    as they were and emits nothing."""
+    one = Engine(engine.model, batch_size=2, chunk_length=16, decode_block=1)
+    [ref], _ = engine.generate([PROMPT], max_new_tokens=12)
+    stop = ref.token_ids[6]
+    want, _ = engine.generate([PROMPT, PROMPT[:4]], max_new_tokens=[12, 5], stop_token_ids=[[stop], []])
+    got, _ = one.generate([PROMPT, PROMPT[:4]], max_new_tokens=[12, 5], stop_token_ids=[[stop], []])
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.finish_reason for r in got] == ["stop", "length"]
+    ds = one.decode_state([SamplingParams()] * 2, [1, 1], [[], []])
+    ds = jax.tree.map(lambda x: x, ds)
+    ds.done = jnp.ones_like(ds.done)
+    lengths, k = one.cache_lengths(), np.asarray(one.cache.k)
+    after, tokens = one.decode(ds)
+    assert (np.asarray(tokens) == -1).all() and one.cache_lengths() == lengths
+    np.testing.assert_array_equal(np.asarray(one.cache.k), k)
+    np.testing.assert_array_equal(np.asarray(after.n_gen), np.asarray(ds.n_gen))

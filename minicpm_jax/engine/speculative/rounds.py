@@ -36,7 +36,7 @@ from flax import nnx
 from jax import lax
 
 from minicpm_jax.engine.sampling import sample
-from minicpm_jax.engine.stops import DecodeState, apply_stops
+from minicpm_jax.engine.stops import DecodeState, apply_stops, while_live
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.cache import KVCache, TreeInputs
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
@@ -287,10 +287,6 @@ def spec_block(graphdef, state, dstate, head, ids, cache, ds, st, *, dgraph, rou
     a = spec.max_accept
     out = jnp.full((ds.tok.shape[0], rounds * a), -1, jnp.int32)
 
-    def cond(carry):
-        i, _, ds, _, _ = carry
-        return (i < rounds) & jnp.any(~ds.done)
-
     def body(carry):
         i, cache, ds, st, out = carry
         cache, ds, st, emitted = run_round(model, draft, head, ids, cache, ds, st, spec=spec, accept=accept,
@@ -298,7 +294,7 @@ def spec_block(graphdef, state, dstate, head, ids, cache, ds, st, *, dgraph, rou
         out = lax.dynamic_update_slice(out, emitted, (0, i * a))
         return i + 1, cache, ds, st, out
 
-    _, cache, ds, st, out = lax.while_loop(cond, body, (jnp.int32(0), cache, ds, st, out))
+    _, cache, ds, st, out = while_live(body, (jnp.int32(0), cache, ds, st, out), rounds)
     return cache, ds, st, out
 
 
