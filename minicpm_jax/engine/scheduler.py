@@ -28,11 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from minicpm_jax.engine.engine import Engine, decode_row_counts
-from minicpm_jax.engine.sampling import TOP_LOGPROBS, SamplingParams
+from minicpm_jax.engine.sampling import TOP_LOGPROBS, SamplingParams, sampling_kind
 from minicpm_jax.engine.stops import FINISH_NAMES, DecodeState, stop_table
 from minicpm_jax.errors import MiniCPMError
 
 log = logging.getLogger(__name__)
+
+# The sampling paths a scheduler's steps are compiled for (Scheduler._sampling picks one per step).
+SERVED_SAMPLING = ("temperature", "filtered")
 
 
 @jax.jit
@@ -304,7 +307,8 @@ class Scheduler:
         if decoding:
             k = self._logprobs(decoding)
             t = time.perf_counter()
-            self._ds, block, *lps = self.engine.decode(self._ds, logprobs=k, rows=decoding)
+            self._ds, block, *lps = self.engine.decode(self._ds, sampling=self._sampling(decoding), logprobs=k,
+                                                       rows=decoding)
             self.stats.dispatch_s += time.perf_counter() - t
             running = set(decoding)
             flags = [slot in running for slot in range(self.engine.batch_size)]
@@ -482,7 +486,8 @@ class Scheduler:
         ds = start_rows(m, eng.decode_state(samplings, budgets, stops, generated), self._ds)
         k = self._logprobs(complete)
         t = time.perf_counter()
-        self._ds, *lps = eng.first_token(ds, logits, m, logprobs=k) if k else (eng.first_token(ds, logits, m),)
+        kind = self._sampling(complete)
+        self._ds, *lps = (eng.first_token(ds, logits, m, kind, logprobs=k) if k else (eng.first_token(ds, logits, m, kind),))
         eng.start(self._ds, m)
         self.stats.dispatch_s += time.perf_counter() - t
         return complete, (self._ds.tok, self._ds.done, self._ds.finish, lps[0] if k else None)
@@ -540,21 +545,35 @@ class Scheduler:
         self.engine.reset()
 
     def compile_decode(self) -> None:
-        """A paged engine decodes only its running rows, padded to a count of
-        :func:`~minicpm_jax.engine.engine.decode_row_counts`: runs a decode block of every such count (and the
-        whole batch with log-probabilities) on finished rows, so no request waits for those compilations
-        either. Only before :meth:`start`, with every slot idle."""
+        """Compiles every decode program the steps may dispatch, so no request waits for one: the first token
+        and a decode block on both sampling paths (:data:`SERVED_SAMPLING`), with and without
+        log-probabilities (those run every slot); a paged engine decodes only its running rows, padded to a
+        count of :func:`~minicpm_jax.engine.engine.decode_row_counts`, so each such count. Runs them on
+        finished rows and keeps nothing. Only before :meth:`start`, with every slot idle."""
         eng = self.engine
         if self._thread is not None or any(self.slots):
             raise MiniCPMError("compile_decode runs before the scheduler starts, with every slot idle")
-        if not (eng.paged and eng.steps.decodes_rows):
-            return
-        for n in decode_row_counts(eng.batch_size):
-            eng.decode(self._ds, rows=list(range(n)))
-            eng.reset()
-        if eng.has_logprobs:  # steps with log-probabilities run every slot
-            eng.decode(self._ds, logprobs=TOP_LOGPROBS)
-            eng.reset()
+        counts = decode_row_counts(eng.batch_size) if eng.paged and eng.steps.decodes_rows else [None]
+        logits = jnp.zeros((eng.batch_size, eng.config.vocab_size), jnp.float32)
+        idle = jnp.zeros(eng.batch_size, bool)
+        for kind in SERVED_SAMPLING:
+            for lp in [0] + ([TOP_LOGPROBS] if eng.has_logprobs else []):
+                eng.first_token(self._ds, logits, idle, kind, logprobs=lp)
+            for n in counts:
+                eng.decode(self._ds, sampling=kind, rows=None if n is None else list(range(n)))
+                eng.reset()
+            if eng.has_logprobs:  # steps with log-probabilities run every slot
+                eng.decode(self._ds, sampling=kind, logprobs=TOP_LOGPROBS)
+                eng.reset()
+
+    def _sampling(self, slots: list[int]) -> str:
+        """The static sampling path of a step over ``slots``: ``filtered`` if one of their requests asks for
+        top-k / top-p, else ``temperature`` (greedy rows take their argmax on either path). Never ``auto``:
+        its choice on device is a conditional, and on a GPU XLA reads a conditional's predicate on the
+        host, so the host waited for each step's forward before it could launch the rest and queue the next
+        step (8B on an H100: ~8-9 ms of host time a step around ~6.2 ms of kernels). Two compiled
+        variants of each step (:data:`SERVED_SAMPLING`); ``greedy`` alone would save only the draw."""
+        return "filtered" if sampling_kind([self.slots[s].sampling for s in slots]) == "filtered" else "temperature"
 
     def _logprobs(self, slots: list[int]) -> int:
         """The alternatives a step computes: ``TOP_LOGPROBS`` if a request of ``slots`` asks for any, else 0

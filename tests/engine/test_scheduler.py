@@ -289,8 +289,11 @@ def test_prefill_steps_run_only_the_precompiled_shapes_over_their_own_rows(tiny_
     rng = np.random.default_rng(11)
     vocab = tiny_model.config.vocab_size
     prompts = [list(rng.integers(0, vocab, n)) for n in (5, 40, 17, 2, 33, 9, 70, 3, 12, 26)]
+    # Sampling paths: greedy, one top-k request, one temperature-only request.
+    samplings = [SamplingParams()] * len(prompts)
+    samplings[2], samplings[4] = SamplingParams(temperature=0.9, top_k=3, seed=4), SamplingParams(temperature=0.7, seed=5)
     solo = Engine(tiny_model, batch_size=1, chunk_length=16, decode_block=2)
-    want = [solo.generate([p], max_new_tokens=4)[0][0].token_ids for p in prompts]
+    want = [solo.generate([p], sampling=sp, max_new_tokens=4)[0][0].token_ids for p, sp in zip(prompts, samplings)]
 
     one_scratch_row = Scheduler(Engine(tiny_model, batch_size=8, chunk_length=64), prefill_budget=64)
     assert one_scratch_row.max_rows(32) == 1 and one_scratch_row.prefill_shapes() == [(1, 32), (1, 64)]
@@ -303,7 +306,15 @@ def test_prefill_steps_run_only_the_precompiled_shapes_over_their_own_rows(tiny_
     programs = {k for k in engine.steps.compiled.executables if k[0].startswith("prefill")}
     assert {k[1] for k in programs} == {(1, 32), (2, 32), (1, 64)} and all(k[0] == "prefill_rows" for k in programs)
 
-    recs = [_request(p, 4) for p in prompts]
+    # compile_decode: the first token and the decode block on both served sampling paths, with and without
+    # log-probabilities; never "auto" (its on-device choice is a conditional that syncs the host on a GPU).
+    sched.compile_decode()
+    compiled = set(engine.steps.compiled.executables)
+    assert {(k[0], dict(k[2])["sampling"], dict(k[2]).get("logprobs", 0)) for k in compiled
+            if k[0] in ("first", "decode")} == {(name, kind, lp) for name in ("first", "decode")
+                                                for kind in ("temperature", "filtered") for lp in (0, 20)}
+
+    recs = [_request(p, 4, sp) for p, sp in zip(prompts, samplings)]
     for req, _ in recs:
         sched.submit(req)
     steps = 0
@@ -311,7 +322,7 @@ def test_prefill_steps_run_only_the_precompiled_shapes_over_their_own_rows(tiny_
         sched.step()
         steps += 1
         assert steps < 200
-    assert {k for k in engine.steps.compiled.executables if k[0].startswith("prefill")} == programs
+    assert set(engine.steps.compiled.executables) == compiled  # nothing compiled while serving
     assert [req.output for req, _ in recs] == want
     with pytest.raises(MiniCPMError, match="before the scheduler starts"):
         sched.submit(_request(prompts[0], 50)[0])
