@@ -8,6 +8,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import json
+import threading
 import time
 import uuid
 
@@ -24,17 +25,63 @@ DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its cli
 OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # OpenAI's defaults, top_k off
 
 
+class EventBridge:
+    """Hands events from the scheduler's thread to asyncio queues of one event loop, with one wake-up of the
+    loop per batch: the scheduler delivers a step's tokens to every running stream at once, and a wake-up
+    per token and stream (``call_soon_threadsafe``: a lock, a write to the loop's self-pipe, a loop
+    iteration) made the HTTP side's per-token work grow with the streams while the scheduler's thread
+    waited for the interpreter lock."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.lock = loop, threading.Lock()
+        self.pending: list[tuple[asyncio.Queue, tuple]] = []
+        self.scheduled = False
+
+    def put(self, queue: asyncio.Queue, item: tuple) -> None:
+        """Queues ``item`` on ``queue`` (from any thread), in order with every earlier ``put``."""
+        with self.lock:
+            self.pending.append((queue, item))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop is closed (shutdown): nothing will read the queues
+            with self.lock:
+                self.scheduled = False
+            raise
+
+    def _flush(self) -> None:
+        with self.lock:
+            items, self.pending, self.scheduled = self.pending, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+def coalesced(events: list[tuple]) -> list[tuple]:
+    """``events`` with each run of consecutive ``("text", index, text, entries)`` of one choice merged into
+    one (texts and entries joined): a stream that fell behind the scheduler sends what arrived as one chunk
+    instead of one chunk (a JSON body, an event, a socket write) per token."""
+    out: list[tuple] = []
+    for event in events:
+        last = out[-1] if out else None
+        if event[0] == "text" and last is not None and last[0] == "text" and last[1] == event[1]:
+            out[-1] = ("text", event[1], last[2] + event[2], last[3] + event[3])
+        else:
+            out.append(event)
+    return out
+
+
 class Generation:
     """One choice of a request, bridged from the scheduler's thread to asyncio: its text deltas (with the
     log-probability entries of the tokens they complete) and its finish arrive on ``events``, shared by the
     request's choices, as ``("text", index, text, entries)`` and ``("finish", index, reason, error,
     entries)``. Entries are ``(token id, logprob, [(id, logprob), ...])``; past a stop string none."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, tokenizer, stops: list[str], events: asyncio.Queue,
-                 index: int = 0):
+    def __init__(self, bridge: EventBridge, tokenizer, stops: list[str], events: asyncio.Queue, index: int = 0):
         from minicpm_jax.tokenizer import TextStream
 
-        self.loop, self.events, self.index = loop, events, index
+        self.bridge, self.events, self.index = bridge, events, index
         self.text = TextStream(tokenizer, stops, emit=lambda s: self._put(("text", index, s, self._take())))
         self.entries: list[tuple] = []
         self.sent = 0
@@ -42,7 +89,7 @@ class Generation:
         self.first_token_at: float | None = None  # time.perf_counter() when the first token arrived
 
     def _put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        self.bridge.put(self.events, item)
 
     def _take(self) -> list[tuple]:
         """Entries of the tokens counted so far (up to a stop string's) not yet sent."""
@@ -77,6 +124,7 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
     """The FastAPI application serving ``scheduler`` (already started). sampling_defaults: temperature /
     top_p / top_k for requests that give none (the checkpoint's generation_config.json)."""
     sampling_defaults = dict(sampling_defaults or {})
+    bridges: dict[asyncio.AbstractEventLoop, EventBridge] = {}  # one per event loop serving the app
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
@@ -221,7 +269,9 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
             raise APIError(400, f"n is {n} but this server generates at most {scheduler.engine.batch_size} "
                                 "sequences together (--max_batch_size)", param="n")
         events: asyncio.Queue = asyncio.Queue()
-        gens = [Generation(asyncio.get_running_loop(), tokenizer, stops, events, i) for i in range(n)]
+        loop = asyncio.get_running_loop()
+        bridge = bridges.get(loop) or bridges.setdefault(loop, EventBridge(loop))
+        gens = [Generation(bridge, tokenizer, stops, events, i) for i in range(n)]
         reqs = [Request(ids, dataclasses.replace(sampling, seed=choice_seed(sampling.seed, i)), budget,
                         [] if body.ignore_eos else stop_ids, g.on_tokens, g.on_finish, logprobs=logprobs,
                         on_logprobs=g.on_logprobs) for i, g in enumerate(gens)]
@@ -323,24 +373,28 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
                 elif echo:
                     offsets[i] = 0
                     yield chunk(i, echo, None)
-            running = len(reqs)
-            while running:
-                event = await events.get()
-                if event[0] == "text":
-                    yield chunk(event[1], event[2], None, event[3])
-                    continue
-                i, reason, error, entries = event[1:]
-                if reason in ("error", "shutdown"):
-                    e = shutting_down() if reason == "shutdown" else None
-                    body = (error_body(e.message, e.type, code=e.code) if e else
-                            error_body(f"generation failed: {error}", "server_error"))
-                    yield f"data: {json.dumps(body)}\n\n"
-                    break
-                if entries:  # tokens whose text came with the last flush
-                    yield chunk(i, "" if kind == "completion" else None, None, entries)
-                yield chunk(i, None, reason)
-                running -= 1
-            else:
+            running, failed = len(reqs), False
+            while running and not failed:
+                arrived = [await events.get()]
+                while not events.empty():  # behind the scheduler: what arrived meanwhile goes as one chunk
+                    arrived.append(events.get_nowait())
+                for event in coalesced(arrived):
+                    if event[0] == "text":
+                        yield chunk(event[1], event[2], None, event[3])
+                        continue
+                    i, reason, error, entries = event[1:]
+                    if reason in ("error", "shutdown"):
+                        e = shutting_down() if reason == "shutdown" else None
+                        body = (error_body(e.message, e.type, code=e.code) if e else
+                                error_body(f"generation failed: {error}", "server_error"))
+                        yield f"data: {json.dumps(body)}\n\n"
+                        failed = True
+                        break
+                    if entries:  # tokens whose text came with the last flush
+                        yield chunk(i, "" if kind == "completion" else None, None, entries)
+                    yield chunk(i, None, reason)
+                    running -= 1
+            if not failed:
                 if include_usage:
                     yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': int(time.time()), 'model': model_name, 'choices': [], 'usage': usage()})}\n\n"
             yield "data: [DONE]\n\n"

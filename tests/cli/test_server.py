@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -473,3 +474,41 @@ def test_scratch_rows_are_a_power_of_two_up_to_an_eighth_of_the_slots():
     from minicpm_jax.cli.server import scratch_rows
 
     assert [scratch_rows(n) for n in (1, 2, 8, 9, 15, 16, 31, 32, 64, 100)] == [1, 1, 1, 1, 1, 2, 2, 4, 8, 8]
+
+
+def test_stream_events_coalesce_per_choice_in_order():
+    from minicpm_jax.cli.server_app import coalesced
+
+    events = [("text", 0, "a", [1]), ("text", 0, "b", [2]), ("text", 1, "x", []), ("text", 0, "c", [3]),
+              ("finish", 0, "stop", None, []), ("text", 1, "y", [9]), ("text", 1, "z", [])]
+    assert coalesced(events) == [("text", 0, "ab", [1, 2]), ("text", 1, "x", []), ("text", 0, "c", [3]),
+                                 ("finish", 0, "stop", None, []), ("text", 1, "yz", [9])]
+    assert coalesced([]) == []
+
+
+def test_event_bridge_delivers_in_order_with_one_wake_up_per_burst():
+    """The scheduler's thread puts a step's events for every stream at once; the loop is woken once per
+    burst, not per event, and every queue gets its events in order."""
+    import asyncio
+
+    from minicpm_jax.cli.server_app import EventBridge
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        bridge, queues, flushes = EventBridge(loop), [asyncio.Queue() for _ in range(8)], []
+        flush = bridge._flush
+        bridge._flush = lambda: (flushes.append(1), flush())
+
+        def scheduler_thread():
+            for step in range(20):
+                for i, q in enumerate(queues):
+                    bridge.put(q, (step, i))
+                time.sleep(0.002)
+
+        t = threading.Thread(target=scheduler_thread)
+        t.start()
+        got = [[await q.get() for _ in range(20)] for q in queues]
+        t.join()
+        assert got == [[(step, i) for step in range(20)] for i in range(8)]
+        assert len(flushes) <= 40  # 160 events; about one wake-up per step
+    asyncio.run(main())
