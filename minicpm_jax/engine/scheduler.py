@@ -559,6 +559,7 @@ class Scheduler:
         for kind in SERVED_SAMPLING:
             for lp in [0] + ([TOP_LOGPROBS] if eng.has_logprobs else []):
                 eng.first_token(self._ds, logits, idle, kind, logprobs=lp)
+            eng.start(self._ds)  # every slot finished (a speculative step set needs a started state)
             for n in counts:
                 eng.decode(self._ds, sampling=kind, rows=None if n is None else list(range(n)))
                 eng.reset()
