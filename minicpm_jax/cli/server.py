@@ -241,8 +241,9 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 def _warm_up(scheduler, tokenizer, stops: list[int]) -> None:
     """Compiles what requests meet before the first arrives: every prefill shape the scheduler can
-    dispatch (:meth:`~minicpm_jax.engine.scheduler.Scheduler.compile_prefill`), then through requests the
-    first token and the decode block, with and without log-probabilities."""
+    dispatch (:meth:`~minicpm_jax.engine.scheduler.Scheduler.compile_prefill`) and every first-token and
+    decode program (:meth:`~minicpm_jax.engine.scheduler.Scheduler.compile_decode`); then a few requests,
+    with and without log-probabilities, check generation end to end before the server listens."""
     from minicpm_jax.engine.sampling import SamplingParams
     from minicpm_jax.engine.scheduler import Request
     from minicpm_jax.tokenizer import encode_prompt

@@ -485,8 +485,8 @@ class Scheduler:
         m = jnp.asarray(mask)
         ds = start_rows(m, eng.decode_state(samplings, budgets, stops, generated), self._ds)
         k = self._logprobs(complete)
-        t = time.perf_counter()
         kind = self._sampling(complete)
+        t = time.perf_counter()
         self._ds, *lps = (eng.first_token(ds, logits, m, kind, logprobs=k) if k else (eng.first_token(ds, logits, m, kind),))
         eng.start(self._ds, m)
         self.stats.dispatch_s += time.perf_counter() - t
