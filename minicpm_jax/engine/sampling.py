@@ -51,12 +51,12 @@ def sampling_kind(params) -> str:
     return "filtered" if any(p.top_k > 0 or p.top_p < 1.0 for p in stochastic) else "temperature"
 
 
-def row_key(seed: int) -> jax.Array:
+def row_key(seed: int) -> np.ndarray:
     """The raw ``uint32[2]`` key of a row with this 64-bit seed: its high and low words, which is what
     ``jax.random.PRNGKey`` (threefry) builds from a seed with ``jax_enable_x64``. Written out because
     without x64 that function keeps only the low 32 bits and refuses seeds from 2**63 (OpenAI clients
-    send up to 2**64 - 1)."""
-    return jnp.asarray(np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32))
+    send up to 2**64 - 1). A host array: a batch's keys go to the device together, in one transfer."""
+    return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
 
 
 def filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:

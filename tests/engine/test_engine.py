@@ -242,6 +242,22 @@ def test_seeds_take_all_64_bits():
         SamplingParams(seed=2**64)
 
 
+def test_decode_state_is_built_on_the_host_and_sent_in_one_put(engine):
+    """A fresh decode state is one explicit transfer (implicit ones, a jnp.asarray per field or per row's
+    key, are refused here): on a GPU, one small transfer per row made the host wait for the device's
+    queue at every step that started requests."""
+    from minicpm_jax.engine.sampling import row_key
+
+    b = engine.batch_size
+    with jax.transfer_guard_host_to_device("disallow"):
+        ds = engine.decode_state([SamplingParams(temperature=0.5, top_k=7, seed=2**40 + 1)], [9], [[2, 3]], [4])
+    np.testing.assert_array_equal(np.asarray(ds.done), np.arange(b) >= 1)
+    np.testing.assert_array_equal(np.asarray(ds.keys[0]), row_key(2**40 + 1))
+    assert ds.keys.shape == (b, 2) and ds.keys.dtype == jnp.uint32
+    assert (int(ds.n_gen[0]), int(ds.max_new[0]), int(ds.top_k[0]), float(ds.temperature[0])) == (4, 9, 7, 0.5)
+    assert list(np.asarray(ds.stop_ids[0][:3])) == [2, 3, -1] and isinstance(ds.tok, jax.Array)
+
+
 def test_prefill_chunk_pieces_cache_what_a_whole_prefill_does(tiny_ckpt):
     """Engine.prefill_chunk (a server's interleaved prefill): a prompt fed as pieces, one slot alone (its
     cache rows taken out and put back) or two slots in one forward, caches the K/V, lengths and last logits
