@@ -243,7 +243,8 @@ class HealthSampler:
 def step_summary(before: dict | None, after: dict | None) -> dict:
     """Our server's scheduler steps during a level (two ``/health`` ``steps`` readings): the mean step's
     time, the part of it the host waited for the device (near 1: the device paces the server; low: the
-    host does), the part spent dispatching, the running rows a decode block advanced and the prompt tokens a
+    host does), the part spent dispatching, the part the scheduler's thread ran on a CPU (the rest, beside
+    the device wait, it waited for the interpreter lock), the running rows a decode block advanced and the prompt tokens a
     step read. Empty for a server without them."""
     if not before or not after:
         return {}
@@ -253,6 +254,7 @@ def step_summary(before: dict | None, after: dict | None) -> dict:
     return {"steps": d["steps"], "step_ms_mean": 1000 * d["busy_s"] / d["steps"],
             "step_device_wait_fraction": d["device_wait_s"] / d["busy_s"] if d["busy_s"] else 0.0,
             "step_dispatch_fraction": d["dispatch_s"] / d["busy_s"] if d["busy_s"] else 0.0,
+            "step_cpu_fraction": d.get("cpu_s", 0.0) / d["busy_s"] if d["busy_s"] else 0.0,
             "decode_rows_mean": d["decode_rows"] / d["decode_steps"] if d["decode_steps"] else 0.0,
             "prefill_step_fraction": d["prefill_steps"] / d["steps"], "prefill_tokens": d["prefill_tokens"],
             "prefill_tokens_per_step": d["prefill_tokens"] / d["steps"]}

@@ -168,8 +168,11 @@ class AccessLog:
     """ASGI middleware: one line per request on :data:`access_log` once its response has ended (a stream
     at its last chunk, or when the client left): method, path, status, request id, prompt / completion
     tokens, latency and, for a generation, the time to its first token (arrival to the first token handed
-    to the request, server side). Routes put ``rid``, ``usage`` and ``first_token`` (callables) in the
-    request's state; ``t0`` is the arrival."""
+    to the request, server side) split into its parts: ``in`` (arrival to the scheduler's queue: the body,
+    validation, tokenising), ``queue`` (waiting for a slot and memory) and ``prefill`` (the prompt's
+    uncached part and the first token). Routes put ``rid``, ``usage``, ``first_token`` and ``phases``
+    (callables; ``phases`` gives the perf_counter times queued and admitted, or None) in the request's
+    state; ``t0`` is the arrival."""
 
     def __init__(self, app):
         self.app = app
@@ -191,7 +194,13 @@ class AccessLog:
             access_log.log(level, "%s %s %s %s prompt_tokens=%s completion_tokens=%s %.3fs%s", scope["method"],
                            scope["path"], status or "-", state.get("rid", "-"), usage.get("prompt_tokens", "-"),
                            usage.get("completion_tokens", "-"), time.perf_counter() - t0,
-                           "" if first is None else f" ttft={first - t0:.3f}s")
+                           "" if first is None else f" ttft={first - t0:.3f}s{phases(first)}")
+
+        def phases(first: float) -> str:
+            queued, admitted = state["phases"]() if "phases" in state else (None, None)
+            if queued is None or admitted is None:
+                return ""
+            return f" (in {queued - t0:.3f}s, queue {admitted - queued:.3f}s, prefill {first - admitted:.3f}s)"
 
         async def logged_send(message):
             nonlocal status

@@ -293,6 +293,8 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
                          "prompt_tokens_details": {"cached_tokens": min(r.cached_tokens for r in reqs)}}
         http.state.rid, http.state.usage = rid, usage
         http.state.first_token = lambda: min((g.first_token_at for g in gens if g.first_token_at), default=None)
+        http.state.phases = lambda: (min(r.submitted_at for r in reqs),
+                                     min((r.admitted_at for r in reqs if r.admitted_at), default=None))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(events, reqs, rid, kind, usage, include_usage, logprobs is not None, echo),

@@ -60,7 +60,9 @@ class StepStats:
     waiting for the device's results (the block in flight, the first tokens). With the device always busy
     the wait is most of the step; a small wait means the host's work (scheduling, delivering tokens, the
     HTTP threads' share of the interpreter lock) paces the steps, not the device; ``dispatch_s`` is the
-    part spent handing work to the device."""
+    part spent handing work to the device. ``cpu_s`` is the scheduler thread's CPU time in its steps: what
+    is neither that nor the device wait was spent blocked otherwise, mostly waiting for the interpreter
+    lock while other threads (the HTTP server's) held it."""
 
     steps: int = 0
     prefill_steps: int = 0  # steps that dispatched a prompt chunk
@@ -70,6 +72,7 @@ class StepStats:
     busy_s: float = 0.0
     device_wait_s: float = 0.0
     dispatch_s: float = 0.0  # host time in the engine's calls that queue device work (its arguments, launches)
+    cpu_s: float = 0.0  # the scheduler thread's CPU time inside steps (time.thread_time)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -110,6 +113,9 @@ class Request:
     on_logprobs: Callable[[list[tuple[float, list[tuple[int, float]]]]], None] | None = None
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (paged engines) when first admitted
     preemptions: int = 0  # times its pages were taken back; it resumed from its prompt and output so far
+    # time.perf_counter() when it was queued (submit) and first given a slot; None before that
+    submitted_at: float | None = None
+    admitted_at: float | None = None
 
 
 class Scheduler:
@@ -202,6 +208,7 @@ class Scheduler:
                 raise Draining("the server is shutting down")
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"{len(self._queue)} requests are already waiting")
+            request.submitted_at = time.perf_counter()
             self._queue.append(request)
             self._cv.notify()
 
@@ -295,7 +302,7 @@ class Scheduler:
         right after it; a host-side stop (stop string, cancellation) takes effect a block later (the
         extra tokens are dropped). With ``overlap`` the wait is left to the delivery of the block in flight,
         after the next block is dispatched behind it: the same decisions, a block later."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         pending, self._pending = self._pending, None
         if pending is not None and not self.overlap:
             self._wait(jax.block_until_ready, pending[2])
@@ -322,6 +329,7 @@ class Scheduler:
             self._deliver_first(*started)
         self.stats.steps += 1
         self.stats.busy_s += time.perf_counter() - t0
+        self.stats.cpu_s += time.thread_time() - c0
 
     def _wait(self, fetch, value):
         """``fetch(value)`` (a device-to-host read or a wait), its time counted as the device's."""
@@ -373,6 +381,8 @@ class Scheduler:
         eng.reset(mask)
         for slot, req in taken:
             self.slots[slot], self._fed[slot] = req, 0
+            if req.admitted_at is None:
+                req.admitted_at = time.perf_counter()
             self._seq[slot], self._out0[slot] = req.prompt_ids + req.output, len(req.output)
             if eng.paged:
                 self._fed[slot] = eng.admit(slot, self._seq[slot])

@@ -35,6 +35,7 @@ def test_load_generator_runs_every_scenario_and_writes_json(smollm2_dir, tmp_pat
         uncached = level["prompt_tokens_mean"] * 2 * (1 - level["cached_prompt_fraction"])
         assert level["prefill_tokens"] == round(uncached) and level["steps"] >= 2 and level["decode_rows_mean"] >= 1
         assert 0 < level["step_device_wait_fraction"] < 1 and 0 < level["step_dispatch_fraction"] < 1
+        assert 0 < level["step_cpu_fraction"] <= 1.01
     # The second level's request with the system prompt finds it cached (the first level computed it).
     assert run["levels"][0]["cached_prompt_fraction"] == 0 < run["levels"][1]["cached_prompt_fraction"]
     prefix = run["prefix"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -236,7 +237,8 @@ def test_usage_counts_the_tokens_delivered_before_a_stop_string(client):
 
 def test_developer_role_64_bit_seeds_and_the_access_log(client, server):
     """role developer is OpenAI's newer system role (same reply as system); a seed near 2**64 samples,
-    reproducibly; every request has an access line with its id, status and token counts."""
+    reproducibly; every request has an access line with its id, status, token counts and its time to the
+    first token split into arrival-to-queue, queue and prefill (parts that add up to it)."""
     def ask(role):
         return client.chat.completions.create(model="smollm2", max_tokens=12, temperature=0, messages=[
             {"role": role, "content": "Answer in French."}, {"role": "user", "content": "Hello!"}])
@@ -249,6 +251,10 @@ def test_developer_role_64_bit_seeds_and_the_access_log(client, server):
     usage = dev.usage
     assert (f"POST /v1/chat/completions 200 {dev.id} prompt_tokens={usage.prompt_tokens} "
             f"completion_tokens={usage.completion_tokens} ") in server.output()
+    line = next(x for x in server.output().splitlines() if dev.id in x)
+    ttft, *parts = map(float, re.search(r" ttft=([0-9.]+)s \(in ([0-9.]+)s, queue ([0-9.]+)s, prefill ([0-9.]+)s\)",
+                                        line).groups())
+    assert parts[2] > 0 and abs(sum(parts) - ttft) <= 0.002, line
 
 
 def test_tokenizing_a_huge_prompt_does_not_stall_the_server(server):
