@@ -123,6 +123,18 @@ def stop_token_ids(config: ModelConfig, tokenizer=None, model_dir: str | None = 
     return list(dict.fromkeys(ids))
 
 
+def fast_decode(tokenizer, skip_special_tokens: bool = True):
+    """``ids -> tokenizer.decode(ids, skip_special_tokens=...)``, through the Rust tokenizer directly where
+    that is the same function: a fast tokenizer that cleans up no spaces, whose ``decode`` only wraps the
+    backend's. A server detokenizes every token of every stream twice on the scheduler's thread; the
+    wrapper's Python costs ~5 µs a call there (1.2 vs 6.7 µs for SmolLM2's four-token window on this
+    CPU). Any other tokenizer keeps its own ``decode``."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 class StreamDecoder:
     """Incremental detokenization: feed ids, get the newly completed text.
 
@@ -136,9 +148,7 @@ class StreamDecoder:
         self.ids: list[int] = []
         self.prefix_offset = 0  # window start
         self.read_offset = 0  # ids before this are already emitted
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+        self._decode = fast_decode(tokenizer, skip_special_tokens)
 
     def push(self, new_ids: Sequence[int]) -> str:
         """Appends ids and returns the text they complete (possibly empty)."""

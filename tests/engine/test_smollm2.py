@@ -61,6 +61,33 @@ def test_stream_decoder_reassembles_text(smollm2_tokenizer):
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_fast_decode_is_the_tokenizers_decode(smollm2_tokenizer):
+    """The Rust fast path gives what ``decode`` gives (random windows, special tokens in and out); a
+    tokenizer that cleans up spaces keeps its own ``decode``."""
+    import copy
+
+    from minicpm_jax.tokenizer import fast_decode
+
+    tok = smollm2_tokenizer
+    rng = np.random.default_rng(0)
+    special = tok.all_special_ids
+    for skip in (True, False):
+        fast = fast_decode(tok, skip)
+        for n in (1, 2, 4, 9):
+            for _ in range(50):
+                ids = [int(i) for i in rng.integers(0, tok.vocab_size, n)]
+                ids[rng.integers(0, n)] = int(rng.choice(special))
+                assert fast(ids) == tok.decode(ids, skip_special_tokens=skip)
+    bypassed = copy.copy(tok)  # SmolLM2's tokenizer takes the fast path: its wrapper is never called
+    bypassed.decode = None
+    assert fast_decode(bypassed)([504, 1597]) == tok.decode([504, 1597], skip_special_tokens=True)
+    cleaning = copy.copy(tok)
+    cleaning.clean_up_tokenization_spaces = True
+    calls = []
+    cleaning.decode = lambda ids, **kw: calls.append(ids) or "x"
+    assert fast_decode(cleaning)([5]) == "x" and calls == [[5]]
+
+
 def test_chat_template_and_plain_prompt(smollm2_tokenizer):
     tok = smollm2_tokenizer
     chat = encode_prompt(tok, "hi", system_prompt="Be brief.")
