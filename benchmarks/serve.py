@@ -272,6 +272,34 @@ def step_summary(before: dict | None, after: dict | None) -> dict:
             "prefill_tokens_per_step": d["prefill_tokens"] / d["steps"]}
 
 
+def steady_window(records: list[dict], concurrency: int) -> dict:
+    """The level while every client had a request in flight: from the moment the last client sent its
+    first request to the moment the first client got the end of its last one. The whole level also holds the
+    start (clients joining one by one) and the end (clients whose answers were shorter idle while the
+    others finish), when fewer than ``concurrency`` streams run; this window is the rate at that
+    concurrency. Tokens are counted by the text chunks that arrived inside it (a chunk of a request that
+    carried several tokens counts its share); None when the window is shorter than a second."""
+    by_client: dict[int, list[dict]] = {}
+    for r in records:
+        by_client.setdefault(r["client"], []).append(r)
+    none = {"steady_s": None, "steady_output_tokens_per_s": None, "steady_itl_p50_s": None, "steady_itl_p99_s": None}
+    if len(by_client) < concurrency or any(r["error"] for r in records):
+        return none
+    start = max(min(r["sent"] for r in rs) for rs in by_client.values())
+    end = min(max(r["done"] for r in rs) for rs in by_client.values())
+    if end - start < 1.0:
+        return none
+    tokens, itl = 0.0, []
+    for r in records:
+        if not r["chunks"] or not r["usage"]:
+            continue
+        per_chunk = r["usage"]["completion_tokens"] / len(r["chunks"])
+        tokens += per_chunk * sum(start <= t < end for t in r["chunks"])
+        itl += [(b - a) / per_chunk for a, b in zip(r["chunks"], r["chunks"][1:]) if start <= b < end]
+    return {"steady_s": end - start, "steady_output_tokens_per_s": tokens / (end - start),
+            "steady_itl_p50_s": percentile(itl, 50), "steady_itl_p99_s": percentile(itl, 99)}
+
+
 def run_level(client: Client, concurrency: int, requests: int, mix: Mix, spread_s: float = 0.0) -> dict:
     """``requests`` closed-loop requests of ``mix`` over ``concurrency`` clients, client i starting
     ``i * spread_s / concurrency`` seconds after the first (independent users, not one synchronised wave);
@@ -289,7 +317,7 @@ def run_level(client: Client, concurrency: int, requests: int, mix: Mix, spread_
                 counter[0] += 1
             prompt, max_tokens, shared = mix.request(client, i, 1000 * concurrency + i)
             rec = client.stream(prompt, max_tokens)
-            rec["shared"] = shared
+            rec["shared"], rec["client"] = shared, k
             with lock:
                 records.append(rec)
 
@@ -314,6 +342,7 @@ def run_level(client: Client, concurrency: int, requests: int, mix: Mix, spread_
             itl += [g / per_chunk for g in gaps]
     return {
         "concurrency": concurrency, "requests": requests, "completed": len(ok),
+        **steady_window(records, concurrency),
         "errors": sorted({r["error"] for r in records if r["error"]}),
         "prompt_tokens_mean": statistics.mean(r["usage"]["prompt_tokens"] for r in ok if r["usage"]) if ok else None,
         "output_tokens": out_tokens, "wall_s": wall,
@@ -494,7 +523,10 @@ def main(argv: list[str] | None = None) -> dict:
                         level["spec_mean_accept_length"] = health["spec_mean_accept_length"]
                     run["levels"].append(level)
                     save()
-                    print(f"[{run['name']}] c={c}: {level['output_tokens_per_s']:.1f} tok/s, "
+                    steady = (f" (while all {c} streams ran, {level['steady_s']:.1f} s: "
+                              f"{level['steady_output_tokens_per_s']:.1f} tok/s, ITL p50 {level['steady_itl_p50_s']:.4f} s)"
+                              if level["steady_s"] else "")
+                    print(f"[{run['name']}] c={c}: {level['output_tokens_per_s']:.1f} tok/s{steady}, "
                           f"TTFT p50 {level['ttft_p50_s']:.3f} s p99 {level['ttft_p99_s']:.3f} s, "
                           f"ITL p50 {level['itl_p50_s']:.4f} s p99 {level['itl_p99_s']:.4f} s, cached "
                           f"{100 * level['cached_prompt_fraction']:.0f}% of prompt tokens"

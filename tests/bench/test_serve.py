@@ -36,6 +36,7 @@ def test_load_generator_runs_every_scenario_and_writes_json(smollm2_dir, tmp_pat
         assert level["prefill_tokens"] == round(uncached) and level["steps"] >= 2 and level["decode_rows_mean"] >= 1
         assert 0 < level["step_device_wait_fraction"] < 1 and 0 < level["step_dispatch_fraction"] < 1
         assert 0 < level["step_cpu_fraction"] <= 1.01
+        assert "steady_output_tokens_per_s" in level and "steady_itl_p50_s" in level
     # The second level's request with the system prompt finds it cached (the first level computed it).
     assert run["levels"][0]["cached_prompt_fraction"] == 0 < run["levels"][1]["cached_prompt_fraction"]
     prefix = run["prefix"]
@@ -45,3 +46,22 @@ def test_load_generator_runs_every_scenario_and_writes_json(smollm2_dir, tmp_pat
     assert inter["max_gap_s"] > 0 and inter["max_over_median"] >= 1 and inter["long_prompt_ttft_s"] > 0
     with pytest.raises(SystemExit):
         serve.main(["--scenarios", "nonsense"])
+
+
+def _rec(client, sent, chunks, tokens):
+    return {"client": client, "sent": sent, "done": chunks[-1], "chunks": chunks, "error": None,
+            "usage": {"completion_tokens": tokens}}
+
+
+def test_steady_window_counts_only_the_time_every_client_was_busy():
+    # Client 0 runs 0-4 then 4-10; client 1 joins at 2 and ends at 8: the window is [2, 8).
+    records = [_rec(0, 0.0, [1.0, 2.0, 3.0, 4.0], 4), _rec(0, 4.0, [5.0, 7.0, 9.0, 10.0], 8),
+               _rec(1, 2.0, [2.5, 3.5, 4.5, 5.5, 6.5, 7.5, 8.0], 7)]
+    w = serve.steady_window(records, 2)
+    assert w["steady_s"] == 6.0
+    # In [2, 8): chunks 2.0, 3.0, 4.0 (1 token each), 5.0, 7.0 (2 tokens each), 2.5..7.5 (six of client 1's).
+    assert w["steady_output_tokens_per_s"] == pytest.approx((3 + 4 + 6) / 6.0)
+    # Gaps ending inside it, per token: 1 x3 (client 0, first request), 1 (5.0 -> 7.0: 2 s for 2 tokens), 1 x5.
+    assert w["steady_itl_p50_s"] == pytest.approx(1.0)
+    assert serve.steady_window(records[:2], 2)["steady_s"] is None  # a client never ran: no such window
+    assert serve.steady_window([_rec(0, 0.0, [0.5], 1), _rec(1, 0.2, [0.9], 1)], 2)["steady_s"] is None
