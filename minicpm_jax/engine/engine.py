@@ -33,6 +33,7 @@ from minicpm_jax.model.loading import shard_model
 from minicpm_jax.model.paged_cache import PagedKVCache
 
 MIN_CHUNK = 32  # smallest prefill chunk shape
+DECODE_PAGES_AHEAD = 3  # pages a decoding row takes beyond the one it needs, while free ones last
 
 
 @dataclasses.dataclass
@@ -255,8 +256,9 @@ class Engine:
         """New pages that ``tokens[slot]`` more positions of each slot need (a prompt piece; a decode block
         is ``tokens_per_block`` each)."""
         books = self._paged_books()
-        return sum(max(0, books.pages_for(min(int(books.bound[s]) + n, self.max_length))
-                       - books.pages.slot_capacity(s) // books.page_size) for s, n in tokens.items())
+        _, want, cover = books.growth(tokens)
+        size = books.page_size
+        return int(np.maximum(0, -(-want // size) - cover // size).sum())
 
     def settle(self, slot: int, length: int) -> None:
         """``slot``'s length on the device is at most ``length`` now (its tokens came back): the next
@@ -337,13 +339,14 @@ class Engine:
         rows = power_of_2_rows(live, self.batch_size)
         return rows if rows <= self.scratch_rows else self.batch_size
 
-    def _reserve(self, tokens: dict[int, int]) -> None:
+    def _reserve(self, tokens: dict[int, int], ahead_pages: int = 0) -> None:
         """Paged cache: pages for ``tokens[slot]`` more positions of each slot, all reserved before a
         program writes them (OutOfPages naming the slots that did not get theirs); then the device's view
-        gets the page table. Nothing for a contiguous cache."""
+        gets the page table. ``ahead_pages``: a slot that needs a page takes that many more while the pool
+        has them (:meth:`PagedBooks.reserve_many`). Nothing for a contiguous cache."""
         if self.books is None:
             return
-        failed = [s for s, n in tokens.items() if not self.books.reserve(s, int(self.books.bound[s]) + n)]
+        failed = self.books.reserve_many(tokens, ahead_pages * self.books.page_size)
         if failed:
             raise OutOfPages(f"the KV pool has no free pages for slots {failed} ({self.books.available()} left): "
                              "fewer or shorter sequences at once, or more pages")
@@ -417,7 +420,11 @@ class Engine:
         idx = None
         if self.books is not None:
             slots = list(range(self.batch_size)) if rows is None else [int(s) for s in rows]
-            self._reserve({s: self.steps.tokens_per_block for s in slots})
+            # Decoding rows cross a page every page_size tokens: at 64 rows of 64-token pages one did at
+            # almost every step, and each crossing sent the whole page table to the device (a host-to-device
+            # copy on the step's host side). Taking DECODE_PAGES_AHEAD more at a crossing sends it a
+            # quarter as often, for at most that many unused pages a row (freed with the row).
+            self._reserve({s: self.steps.tokens_per_block for s in slots}, DECODE_PAGES_AHEAD)
             # The fewest rows of decode_row_counts that hold them (every slot with log-probabilities: that
             # variant is compiled once, for the whole batch).
             n = self.batch_size if logprobs else min(c for c in decode_row_counts(self.batch_size) if c >= len(slots))

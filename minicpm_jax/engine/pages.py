@@ -138,6 +138,16 @@ class PageManager:
         self._check_slot(slot)
         return len(self._pages[slot]) * self.page_size
 
+    @property
+    def free_pages(self) -> int:
+        """Pages neither held nor cached (a reservation takes them before evicting cached ones)."""
+        return len(self._free)
+
+    def capacities(self, slots: Sequence[int] | np.ndarray) -> np.ndarray:
+        """:meth:`slot_capacity` of each of ``slots`` (``int64[len(slots)]``; one pass, for a decode step's
+        rows)."""
+        return np.fromiter((len(self._pages[s]) for s in slots), np.int64, len(slots)) * self.page_size
+
     def refcount(self, page: int) -> int:
         """References to ``page``: the slots holding it, plus one if it is cached."""
         return self._refs[page]

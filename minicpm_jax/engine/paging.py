@@ -88,6 +88,37 @@ class PagedBooks:
             self.bound[slot] = length
         return True
 
+    def reserve_many(self, tokens: dict[int, int], ahead: int = 0) -> list[int]:
+        """:meth:`reserve` of ``tokens[slot]`` more positions past each slot's bound, at once (a decode step
+        over many rows, most of which need no new page); returns the slots that did not get their pages
+        (their books unchanged). ``ahead``: a slot that needs a new page takes pages for that many positions
+        more while the pool has them (its bound stays where the tokens end), so the page table changes, and
+        is sent to the device, every few pages of a row instead of at every page."""
+        slots, want, cover = self.growth(tokens)
+        grows = want > self.bound[slots]
+        short = grows & (want > cover)
+        failed = [int(s) for s, w in zip(slots[short], want[short])
+                  if not (ahead and self._reserve_free(int(s), min(int(w) + ahead, self.max_length)))
+                  and not self.pages.reserve(int(s), int(w))]
+        if failed:
+            grows &= ~np.isin(slots, failed)
+        self.bound[slots[grows]] = want[grows]
+        return failed
+
+    def _reserve_free(self, slot: int, length: int) -> bool:
+        """:meth:`PageManager.reserve` if free pages cover it (evicting no cached prefix for pages reserved
+        ahead); False otherwise, nothing changed."""
+        need = self.pages_for(length) - self.pages.slot_capacity(slot) // self.page_size
+        return need <= self.pages.free_pages and self.pages.reserve(slot, length)
+
+    def growth(self, tokens: dict[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For ``tokens[slot]`` more positions past each slot's bound: (the slots, the positions each then
+        needs covered (at most ``max_length``), the positions its pages cover now), as ``int64`` arrays."""
+        slots = np.fromiter(tokens.keys(), np.int64, len(tokens))
+        more = np.fromiter(tokens.values(), np.int64, len(tokens))
+        want = np.minimum(self.bound[slots] + more, self.max_length)
+        return slots, want, self.pages.capacities(slots)
+
     def grow(self, slots: Sequence[int], tokens: int) -> list[int]:
         """Reserves ``tokens`` more positions past each slot's bound (a decode block about to run); returns
         the slots that did not get their pages (their books unchanged), oldest request first is the

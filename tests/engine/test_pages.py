@@ -392,3 +392,60 @@ def test_random_operations_keep_every_invariant(prefix_caching):
     pm.evict()
     pm.check()
     assert pm.stats()["pages_free"] == 16 and not cached
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_reserve_many_is_reserve_one_slot_after_another(seed):
+    """PagedBooks.reserve_many (one pass over a decode step's rows) leaves the books, the page table and
+    the failures exactly as reserving each slot in turn does, also when the pool runs dry midway (evicting
+    cached pages) and at max_length; pages_needed agrees with what reserving takes."""
+    import copy
+
+    from minicpm_jax.engine.engine import Engine
+    from minicpm_jax.engine.paging import PagedBooks, Paging
+
+    rng = np.random.default_rng(seed)
+    books = PagedBooks(Paging(num_pages=40, page_size=16), batch_size=8, max_length=160)
+    for slot in range(8):  # mixed starts: cached prefixes, lengths across page boundaries
+        prompt = [int(t) for t in rng.integers(0, 3, rng.integers(1, 60))]
+        cached = books.admit(slot, prompt)
+        assert books.reserve(slot, len(prompt))
+        books.publish(slot, prompt[: cached + (len(prompt) - cached) // 2])
+    failures = 0
+    for _ in range(30):
+        tokens = {int(s): int(rng.integers(1, 40)) for s in rng.choice(8, rng.integers(1, 9), replace=False)}
+        one = copy.deepcopy(books)
+        need = Engine.pages_needed(type("E", (), {"_paged_books": lambda _: one, "max_length": 160})(), tokens)
+        free = one.pages.available()
+        expected = [s for s, n in tokens.items() if not one.reserve(s, int(one.bound[s]) + n)]
+        assert books.reserve_many(tokens) == expected
+        failures += len(expected)
+        assert (books.bound == one.bound).all() and (books.pages.table == one.pages.table).all()
+        assert books.pages.capacities(range(8)).tolist() == [one.pages.slot_capacity(s) for s in range(8)]
+        if not expected:
+            assert free - one.pages.available() == need
+        if rng.random() < 0.3:  # end a sequence now and then (its pages go back, full ones stay cached)
+            slot = int(rng.integers(0, 8))
+            books.release(slot)
+            books.admit(slot, [1, 2])
+    assert failures  # the pool ran dry at least once
+
+
+def test_reserve_many_takes_pages_ahead_only_from_free_ones():
+    """With ``ahead`` a slot crossing a page takes pages for that many more positions, from free pages only
+    (a cached prefix is not evicted for them); its bound stays where its tokens end."""
+    from minicpm_jax.engine.paging import PagedBooks, Paging
+
+    books = PagedBooks(Paging(num_pages=8, page_size=16), batch_size=2, max_length=128)
+    prompt = list(range(40))
+    books.admit(0, prompt)
+    assert books.reserve(0, 40)
+    books.publish(0, prompt)  # two full pages cached
+    books.release(0)
+    books.admit(1, [7])
+    assert books.reserve_many({1: 16}, ahead=48) == [] and books.bound[1] == 16
+    assert books.pages.slot_capacity(1) == 64  # 1 page needed + 3 ahead, 4 of the 6 free ones
+    assert books.reserve_many({1: 33}, ahead=48) == [] and books.bound[1] == 49
+    # 49 tokens need 4 pages (held); at 65 a 5th: only 2 free pages left, so no lookahead: exactly one more.
+    assert books.reserve_many({1: 16}, ahead=48) == [] and books.pages.slot_capacity(1) == 80
+    assert books.pages.free_pages == 1 and books.cached(prompt) == 32  # the cached prefix survived
