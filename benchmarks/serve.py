@@ -278,7 +278,8 @@ def steady_window(records: list[dict], concurrency: int) -> dict:
     start (clients joining one by one) and the end (clients whose answers were shorter idle while the
     others finish), when fewer than ``concurrency`` streams run; this window is the rate at that
     concurrency. Tokens are counted by the text chunks that arrived inside it (a chunk of a request that
-    carried several tokens counts its share); None when the window is shorter than a second."""
+    carried several tokens counts its share); None when the window is shorter than a second, a client sent
+    nothing or a request failed."""
     by_client: dict[int, list[dict]] = {}
     for r in records:
         by_client.setdefault(r["client"], []).append(r)
