@@ -186,3 +186,21 @@ def test_fuzz_requests_cancels_stops_siblings_and_preemptions(model, solo):
         else:
             assert (req.output, rec["finish"]) == (ids, finish)
     _pool_is_whole(sched)
+
+
+def test_decode_rows_go_to_the_device_once_while_they_stay_the_same(model):
+    """A paged decode over the same rows sends nothing to the device (the rows stay there): on a GPU a
+    host array passed to the step waited for the queued steps before it, so the host could not work ahead.
+    New rows are sent again."""
+    import jax
+
+    engine = Engine(model, batch_size=8, chunk_length=16, decode_block=1, paging=Paging(num_pages=40, page_size=PAGE))
+    engine.prefill_chunk([[5, 6, 7], [8, 9], [], [], [], [], [], []], 16)
+    ds = engine.decode_state([SamplingParams()] * 2, [30, 30], [[], []])
+    engine._reserve({0: 3 * PAGE, 1: 3 * PAGE})  # pages for every step below: no page table change
+    ds, first = engine.decode(ds, rows=[0, 1])
+    with jax.transfer_guard_host_to_device("disallow_explicit"):  # no transfer at all, explicit or not
+        ds, second = engine.decode(ds, rows=[0, 1])
+        with pytest.raises(Exception, match="host-to-device"):
+            engine.decode(ds, rows=[1])  # one row: padded to [1], not to [0, 1, 2, 3] as the two were
+    assert (np.asarray(first)[:2] >= 0).all() and (np.asarray(second)[:2] >= 0).all()
