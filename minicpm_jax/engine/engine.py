@@ -255,10 +255,7 @@ class Engine:
     def pages_needed(self, tokens: dict[int, int]) -> int:
         """New pages that ``tokens[slot]`` more positions of each slot need (a prompt piece; a decode block
         is ``tokens_per_block`` each)."""
-        books = self._paged_books()
-        _, want, cover = books.growth(tokens)
-        size = books.page_size
-        return int(np.maximum(0, -(-want // size) - cover // size).sum())
+        return self._paged_books().pages_needed(tokens)
 
     def settle(self, slot: int, length: int) -> None:
         """``slot``'s length on the device is at most ``length`` now (its tokens came back): the next

@@ -94,7 +94,7 @@ class PagedBooks:
         (their books unchanged). ``ahead``: a slot that needs a new page takes pages for that many positions
         more while the pool has them (its bound stays where the tokens end), so the page table changes, and
         is sent to the device, every few pages of a row instead of at every page."""
-        slots, want, cover = self.growth(tokens)
+        slots, want, cover = self._growth(tokens)
         grows = want > self.bound[slots]
         short = grows & (want > cover)
         failed = [int(s) for s, w in zip(slots[short], want[short])
@@ -111,19 +111,19 @@ class PagedBooks:
         need = self.pages_for(length) - self.pages.slot_capacity(slot) // self.page_size
         return need <= self.pages.free_pages and self.pages.reserve(slot, length)
 
-    def growth(self, tokens: dict[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def pages_needed(self, tokens: dict[int, int]) -> int:
+        """New pages that ``tokens[slot]`` more positions past each slot's bound take (what
+        :meth:`reserve_many` without ``ahead`` would take from the pool)."""
+        _, want, cover = self._growth(tokens)
+        return int(np.maximum(0, -(-want // self.page_size) - cover // self.page_size).sum())
+
+    def _growth(self, tokens: dict[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For ``tokens[slot]`` more positions past each slot's bound: (the slots, the positions each then
         needs covered (at most ``max_length``), the positions its pages cover now), as ``int64`` arrays."""
         slots = np.fromiter(tokens.keys(), np.int64, len(tokens))
         more = np.fromiter(tokens.values(), np.int64, len(tokens))
         want = np.minimum(self.bound[slots] + more, self.max_length)
         return slots, want, self.pages.capacities(slots)
-
-    def grow(self, slots: Sequence[int], tokens: int) -> list[int]:
-        """Reserves ``tokens`` more positions past each slot's bound (a decode block about to run); returns
-        the slots that did not get their pages (their books unchanged), oldest request first is the
-        caller's order."""
-        return [s for s in slots if not self.reserve(s, int(self.bound[s]) + tokens)]
 
     def settle(self, slot: int, length: int) -> None:
         """``slot``'s device length is at most ``length`` now (tokens came back): later growth starts there

@@ -81,6 +81,7 @@ def test_fast_decode_is_the_tokenizers_decode(smollm2_tokenizer):
     bypassed = copy.copy(tok)  # SmolLM2's tokenizer takes the fast path: its wrapper is never called
     bypassed.decode = None
     assert fast_decode(bypassed)([504, 1597]) == tok.decode([504, 1597], skip_special_tokens=True)
+
     class Custom(type(tok)):  # a tokenizer class with its own decoding keeps it
         def _decode(self, *args, **kwargs):
             return "custom"
