@@ -22,7 +22,8 @@ BACKENDS: dict[str, ModuleType] = {"xla": xla, "pallas": triton}
 CHOICES = (AUTO, *BACKENDS)
 # What every backend namespace provides (checked by the tests).
 OPS = ("attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul", "matmul",
-       "paged_attention", "paged_cache_write", "paged_tree_attention", "select_blocks", "sparse_attention",
+       "paged_attention", "paged_block_sparse_attention", "paged_cache_write", "paged_compress_windows",
+       "paged_select_blocks", "paged_sparse_attention", "paged_tree_attention", "select_blocks", "sparse_attention",
        "tree_attention")
 
 

@@ -143,6 +143,13 @@ def block_loop(lo, hi, body, carry, *, block_k: int, pages_ref=None, page_size: 
     return lax.fori_loop(lo, hi, step, (carry, page_row(pages_ref, lo * block_k, page_size)))[0]
 
 
+def gather_rows(ref, rows: jax.Array) -> jax.Array:
+    """``ref[rows]`` for a ``[N, D]`` ref and ``int32[n]`` row indices: ``[n, D]``, one pointer per element
+    (both indexers arrays: Pallas' interpret mode takes no mix of array and slice indexers)."""
+    cols = lax.broadcasted_iota(jnp.int32, (1, ref.shape[-1]), 1)
+    return plt.load(ref.at[rows[:, None], cols])
+
+
 def paged_length(length, pages_ref, page_size: int | None):
     """A row's key count, capped at its page table's capacity when paged (a longer length would index the
     page table past its end; the references see only ``P * page_size`` keys too)."""

@@ -16,7 +16,8 @@ from pallas_kernels.attention import MAX_DECODE_QUERIES, attention, paged_decode
 from pallas_kernels.cache_write import cache_write, paged_cache_write
 from pallas_kernels.flash import merge_attention
 from pallas_kernels.infllm.common import Geometry
-from pallas_kernels.infllm.compress import compress_step, compress_windows_reference
+from pallas_kernels.infllm.compress import compress_step, compress_windows_reference, paged_compress_step
+from pallas_kernels.infllm.paged import check_paged_geometry, paged_compress_windows_reference
 from pallas_kernels.infllm.decode import pool_select_attention_tiled
 from pallas_kernels.infllm.select import pool_select_blocks_tiled
 from pallas_kernels.infllm.stage1 import compressed_scores_tiled, score_tile_rows
@@ -27,7 +28,8 @@ from pallas_kernels.matmul import matmul
 from pallas_kernels.tree_attention import paged_tree_attention, tree_attention
 
 __all__ = ["attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul",
-           "matmul", "paged_attention", "paged_cache_write", "paged_tree_attention", "select_blocks",
+           "matmul", "paged_attention", "paged_block_sparse_attention", "paged_cache_write", "paged_compress_windows",
+           "paged_select_blocks", "paged_sparse_attention", "paged_tree_attention", "select_blocks",
            "sparse_attention", "tree_attention"]
 
 # Query tokens per row up to which sparse_attention takes the decode path (selection + attention in one
@@ -107,5 +109,82 @@ def sparse_attention(q: jax.Array, q_select: jax.Array, k: jax.Array, v: jax.Arr
                                layer=layer, return_lse=True, whole_blocks=True),
         local_window_attention(q, k, v, q_positions, kv_lengths, scale=scale, block_size=geometry.block_size,
                                local_blocks=geometry.local_blocks, layer=layer),
+    ]
+    return merge_attention(parts).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------- InfLLM-v2 over a paged pool
+# The same kernels with a page table (pallas_kernels.infllm.paged: blocks are pages, compressed keys in the
+# page of their window's last key), chosen as for the contiguous cache.
+
+def paged_compress_windows(k_pages: jax.Array, k1_pages: jax.Array, k2_pages: jax.Array, page_table: jax.Array,
+                           old_lengths: jax.Array, new_lengths: jax.Array, *, geometry: Geometry, layer: int,
+                           max_tokens: int, page_size: int, unrotate=None) -> tuple[jax.Array, jax.Array]:
+    """:func:`pallas_kernels.xla.paged_compress_windows`; a one-token step of keys without ``use_nope`` and
+    power-of-2 windows runs as one kernel writing in place (:func:`paged_compress_step`)."""
+    if max_tokens == 1 and unrotate is None and is_power_of_2(geometry.kernel1) and is_power_of_2(geometry.kernel2):
+        return paged_compress_step(k_pages, k1_pages, k2_pages, page_table, old_lengths, new_lengths, layer=layer,
+                                   page_size=page_size, **geometry.stage1())
+    return paged_compress_windows_reference(k_pages, k1_pages, k2_pages, page_table, old_lengths, new_lengths,
+                                            layer=layer, page_size=page_size, max_tokens=max_tokens, unrotate=unrotate,
+                                            **geometry.stage1())
+
+
+def paged_select_blocks(q: jax.Array, k1_pages: jax.Array, k2_pages: jax.Array, page_table: jax.Array,
+                        q_positions: jax.Array, kv_lengths: jax.Array, *, scale: float, geometry: Geometry, layer: int,
+                        page_size: int, score_positions: jax.Array | None = None,
+                        extra_logits: jax.Array | None = None) -> jax.Array:
+    """:func:`pallas_kernels.xla.paged_select_blocks`: the two stage-1 kernels gathering the compressed keys
+    through the page table, then the pooling + selection kernel."""
+    check_paged_geometry(page_size, block_size=geometry.block_size, stride1=geometry.stride1,
+                         stride2=geometry.stride2)
+    pos = q_positions if score_positions is None else score_positions
+    scores, tokens = compressed_scores_tiled(q, k1_pages, k2_pages, pos, scale=scale, layer=layer,
+                                             extra_logits=extra_logits, page_table=page_table, page_size=page_size,
+                                             **geometry.stage1())
+    return pool_select_blocks_tiled(scores, q_positions, kv_lengths, tokens=tokens, tile_rows=score_tile_rows(tokens),
+                                    **geometry.select(page_table.shape[1]))
+
+
+def paged_block_sparse_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                                 q_positions: jax.Array, kv_lengths: jax.Array, block_indices: jax.Array, *,
+                                 scale: float, block_size: int, layer: int,
+                                 return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """:func:`pallas_kernels.xla.paged_block_sparse_attention` by the block-sparse kernel over pages."""
+    return block_sparse_attention(q, k_pages, v_pages, q_positions, kv_lengths, block_indices, scale=scale,
+                                  block_size=block_size, layer=layer, return_lse=return_lse, page_table=page_table)
+
+
+def paged_sparse_attention(q: jax.Array, q_select: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           k1_pages: jax.Array, k2_pages: jax.Array, page_table: jax.Array, q_positions: jax.Array,
+                           kv_lengths: jax.Array, *, scale: float, geometry: Geometry, layer: int,
+                           page_size: int) -> jax.Array:
+    """:func:`pallas_kernels.xla.paged_sparse_attention` by the kernels, with :func:`sparse_attention`'s
+    choices: a decode step in four launches, a prefill chunk as the selection, the local window and the
+    blocks below it."""
+    check_paged_geometry(page_size, block_size=geometry.block_size, stride1=geometry.stride1,
+                         stride2=geometry.stride2)
+    t = q.shape[1]
+    paged = dict(page_table=page_table)
+    if t <= DECODE_PATH_MAX_TOKENS:
+        scores, tokens = compressed_scores_tiled(q_select, k1_pages, k2_pages, q_positions, scale=scale, layer=layer,
+                                                 page_size=page_size, **paged, **geometry.stage1())
+        return pool_select_attention_tiled(q, k_pages, v_pages, scores, q_positions, kv_lengths, tokens=tokens,
+                                           tile_rows=score_tile_rows(tokens), scale=scale, layer=layer, **paged,
+                                           **geometry.pool_select())
+    blocks = paged_select_blocks(q_select, k1_pages, k2_pages, page_table, q_positions, kv_lengths, scale=scale,
+                                 geometry=geometry, layer=layer, page_size=page_size)
+    if not splits_local_window(geometry, t):
+        return block_sparse_attention(q, k_pages, v_pages, q_positions, kv_lengths, blocks, scale=scale,
+                                      block_size=geometry.block_size, layer=layer, **paged)
+    lo_blk = jnp.maximum(q_positions // geometry.block_size - geometry.local_blocks, 0)[:, None, :, None]
+    far = jnp.where(blocks < lo_blk, blocks, -1)  # still valid entries first
+    parts = [
+        block_sparse_attention(q, k_pages, v_pages, q_positions, kv_lengths, far, scale=scale,
+                               block_size=geometry.block_size, layer=layer, return_lse=True, whole_blocks=True,
+                               **paged),
+        local_window_attention(q, k_pages, v_pages, q_positions, kv_lengths, scale=scale,
+                               block_size=geometry.block_size, local_blocks=geometry.local_blocks, layer=layer,
+                               **paged),
     ]
     return merge_attention(parts).astype(q.dtype)

@@ -14,6 +14,12 @@ from pallas_kernels.cache_write import cache_write_reference as cache_write
 from pallas_kernels.cache_write import paged_cache_write_reference as paged_cache_write
 from pallas_kernels.infllm.common import Geometry
 from pallas_kernels.infllm.compress import compress_windows_reference
+from pallas_kernels.infllm.paged import (
+    check_paged_geometry,
+    paged_block_sparse_attention_reference,
+    paged_compress_windows_reference,
+    paged_compressed_scores_reference,
+)
 from pallas_kernels.infllm.select import pool_select_blocks_reference
 from pallas_kernels.infllm.stage1 import compressed_scores_reference
 from pallas_kernels.infllm.stage2 import block_sparse_attention_reference as block_sparse_attention
@@ -25,7 +31,8 @@ from pallas_kernels.topk import top_k
 from pallas_kernels.tree_attention import tree_attention_reference as tree_attention
 
 __all__ = ["attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul",
-           "matmul", "paged_attention", "paged_cache_write", "paged_tree_attention", "select_blocks",
+           "matmul", "paged_attention", "paged_block_sparse_attention", "paged_cache_write", "paged_compress_windows",
+           "paged_select_blocks", "paged_sparse_attention", "paged_tree_attention", "select_blocks",
            "sparse_attention", "tree_attention"]
 
 
@@ -60,3 +67,53 @@ def sparse_attention(q: jax.Array, q_select: jax.Array, k: jax.Array, v: jax.Arr
                            num_blocks=num_blocks, layer=layer)
     return block_sparse_attention(q, k, v, q_positions, kv_lengths, blocks, scale=scale,
                                   block_size=geometry.block_size, layer=layer)
+
+
+# ---------------------------------------------------------------------------- InfLLM-v2 over a paged pool
+# The pool's layout (compressed keys in the page of their window's last key, blocks = pages) is that of
+# pallas_kernels.infllm.paged; k_pages / v_pages [L, KVH, N, D], k1_pages / k2_pages [L, KVH, R1 | R2, D],
+# page_table int32[B, P].
+
+def paged_compress_windows(k_pages: jax.Array, k1_pages: jax.Array, k2_pages: jax.Array, page_table: jax.Array,
+                           old_lengths: jax.Array, new_lengths: jax.Array, *, geometry: Geometry, layer: int,
+                           max_tokens: int, page_size: int, unrotate=None) -> tuple[jax.Array, jax.Array]:
+    """:func:`compress_windows` over the pool: the new entries written into the pages their windows end in."""
+    return paged_compress_windows_reference(k_pages, k1_pages, k2_pages, page_table, old_lengths, new_lengths,
+                                            layer=layer, page_size=page_size, max_tokens=max_tokens, unrotate=unrotate,
+                                            **geometry.stage1())
+
+
+def paged_select_blocks(q: jax.Array, k1_pages: jax.Array, k2_pages: jax.Array, page_table: jax.Array,
+                        q_positions: jax.Array, kv_lengths: jax.Array, *, scale: float, geometry: Geometry, layer: int,
+                        page_size: int, score_positions: jax.Array | None = None,
+                        extra_logits: jax.Array | None = None) -> jax.Array:
+    """:func:`select_blocks` over the pool: the blocks (= pages, logical indices below ``P``) each query
+    attends ``int32[B, KVH, T, K]``."""
+    check_paged_geometry(page_size, block_size=geometry.block_size, stride1=geometry.stride1,
+                         stride2=geometry.stride2)
+    pos = q_positions if score_positions is None else score_positions
+    scores = paged_compressed_scores_reference(q, k1_pages, k2_pages, page_table, pos, scale=scale, layer=layer,
+                                               page_size=page_size, extra_logits=extra_logits, **geometry.stage1())
+    return pool_select_blocks_reference(scores, q_positions, kv_lengths, top_k=top_k,
+                                        **geometry.select(page_table.shape[1]))
+
+
+def paged_block_sparse_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                                 q_positions: jax.Array, kv_lengths: jax.Array, block_indices: jax.Array, *,
+                                 scale: float, block_size: int, layer: int,
+                                 return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """:func:`block_sparse_attention` over the pool (a block is a page of ``block_size`` tokens)."""
+    return paged_block_sparse_attention_reference(q, k_pages, v_pages, page_table, q_positions, kv_lengths,
+                                                  block_indices, scale=scale, block_size=block_size, layer=layer,
+                                                  return_lse=return_lse)
+
+
+def paged_sparse_attention(q: jax.Array, q_select: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           k1_pages: jax.Array, k2_pages: jax.Array, page_table: jax.Array, q_positions: jax.Array,
+                           kv_lengths: jax.Array, *, scale: float, geometry: Geometry, layer: int,
+                           page_size: int) -> jax.Array:
+    """:func:`sparse_attention` over the pool: selection, then block-sparse attention over the picked pages."""
+    blocks = paged_select_blocks(q_select, k1_pages, k2_pages, page_table, q_positions, kv_lengths, scale=scale,
+                                 geometry=geometry, layer=layer, page_size=page_size)
+    return paged_block_sparse_attention(q, k_pages, v_pages, page_table, q_positions, kv_lengths, blocks, scale=scale,
+                                        block_size=geometry.block_size, layer=layer)

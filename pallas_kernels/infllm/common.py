@@ -82,6 +82,13 @@ def compressed_count(length: jax.Array, *, kernel: int, stride: int) -> jax.Arra
     return jnp.where(length >= kernel, (length - kernel) // stride + 1, 0)
 
 
+def compressed_entries(capacity: int, stride: int) -> int:
+    """Logical compressed entries of a paged row of ``capacity`` keys (:mod:`pallas_kernels.infllm.paged`):
+    at least 16, the stage-1 kernels' smallest key block (entries past the row's pages are never complete,
+    hence never read)."""
+    return max(16, capacity // stride)
+
+
 def sparse_splits(batch: int, kv_heads: int, tokens: int, max_blocks: int) -> int:
     """Programs sharing one (token, KV group)'s selected blocks: enough for two programs per SM, at least
     two blocks per program; 1 for prefill chunks (tokens x groups already fill the GPU)."""
@@ -89,12 +96,15 @@ def sparse_splits(batch: int, kv_heads: int, tokens: int, max_blocks: int) -> in
 
 
 def split_grid_io(b: int, kvh: int, t: int, splits: int, rows: int, s: int, d: int, layer: int,
-                   o_dtype=jnp.float32):
+                   o_dtype=jnp.float32, paged: bool = False):
     """Specs of the stage-2 kernels on grid (batch, KV head, token, split): the K and V inputs (one layer
-    of the stacked cache, read in place), and the per-split outputs o ``[B, KVH, T, splits, rows, D]`` (in
-    ``o_dtype``, normalised within its split) and lse fp32 ``[B, KVH, T, splits, rows]`` (log2 units).
-    Returns (kv_specs, out_specs, out_shape)."""
-    kv = pl.BlockSpec((None, None, None, s, d), lambda i, j, n, sp: (layer, i, j, 0, 0))
+    of the stacked cache, read in place; ``paged``: the KV head's ``[N, D]`` of the pool ``[L, KVH, N, D]``),
+    and the per-split outputs o ``[B, KVH, T, splits, rows, D]`` (in ``o_dtype``, normalised within its
+    split) and lse fp32 ``[B, KVH, T, splits, rows]`` (log2 units). Returns (kv_specs, out_specs, out_shape)."""
+    if paged:
+        kv = pl.BlockSpec((None, None, s, d), lambda i, j, n, sp: (layer, j, 0, 0))
+    else:
+        kv = pl.BlockSpec((None, None, None, s, d), lambda i, j, n, sp: (layer, i, j, 0, 0))
     out_specs = [pl.BlockSpec((None, None, None, None, rows, d), lambda i, j, n, sp: (i, j, n, sp, 0, 0)),
                  pl.BlockSpec((None, None, None, None, rows), lambda i, j, n, sp: (i, j, n, sp, 0))]
     out_shape = [jax.ShapeDtypeStruct((b, kvh, t, splits, rows, d), o_dtype),

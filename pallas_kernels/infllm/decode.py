@@ -21,6 +21,9 @@ from pallas_kernels.flash import (
     layer_view,
     load_block,
     merge_splits_rows,
+    page_row,
+    page_table_spec,
+    paged_refs,
     store_split,
 )
 from pallas_kernels.infllm.common import sparse_splits, split_grid_io
@@ -62,10 +65,10 @@ def pool_select_attention_reference(
 _UNROLLED_PICKS = 4
 
 
-def _pool_select_attend_kernel(len_ref, pos_ref, s_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_scale, k,
-                               block_size, seq_len, per_split, tokens, pool):
+def _pool_select_attend_kernel(*refs, qk_scale, k, block_size, seq_len, per_split, tokens, pool, page_size=None):
     """One (batch, KV head, token, split): the token's pooled block scores and picks (the same in every
     split of the token), then online softmax over the picks ranked ``[split * per_split, ...)``."""
+    pages_ref, (len_ref, pos_ref, s_ref, q_ref, k_ref, v_ref, o_ref, lse_ref) = paged_refs(refs, 1, page_size)
     kv_len = len_ref[pl.program_id(0)]
     pos = pos_ref[pl.program_id(0) * tokens + pl.program_id(2)]
     score, lim = pooled_block_scores(s_ref, pos, kv_len, **pool)
@@ -78,24 +81,28 @@ def _pool_select_attend_kernel(len_ref, pos_ref, s_ref, q_ref, k_ref, v_ref, o_r
     first = pl.program_id(3) * per_split
     step = functools.partial(attend_block, q, k_ref, v_ref, qk_scale=qk_scale, block_k=block_size, pos=row_pos)
 
-    def block(r):  # the pick of rank r (0-based): where its slice starts, its first key, its key limit
+    def block(r):  # the pick of rank r (0-based): where its slice starts, its first key, its key limit, and
+        # the buffer row of its first key (None: the slice's start; paged: a block is one page)
         found = jnp.sum(jnp.where(rank == r + 1, blk + 1, 0))  # 0: a rank past the picks
         block_start = jnp.maximum(found - 1, 0) * block_size
         # The slice is clamped into the buffer; keys before the block's start are masked out by `lo`; a
         # rank past the picks gets an empty range (nothing read, nothing attended).
         limit = jnp.where(found > 0, jnp.minimum(kv_len, block_start + block_size), block_start)
-        return jnp.minimum(block_start, seq_len - block_size), block_start, limit
+        if pages_ref is not None:
+            return block_start, block_start, limit, page_row(pages_ref, block_start, page_size)
+        return jnp.minimum(block_start, seq_len - block_size), block_start, limit, None
 
     carry = empty_carry(rows, q.shape[1])
     if per_split <= _UNROLLED_PICKS:  # every pick's loads are issued before the first one is used
         picks = [block(first + i) for i in range(per_split)]
-        kvs = [load_block(k_ref, v_ref, start, block_k=block_size, kv_len=limit, lo=lo) for start, lo, limit in picks]
-        for (start, lo, limit), kv in zip(picks, kvs):
-            carry = step(start, carry, kv_len=limit, lo=lo, kv=kv)
+        kvs = [load_block(k_ref, v_ref, start, block_k=block_size, kv_len=limit, lo=lo, row=row)
+               for start, lo, limit, row in picks]
+        for (start, lo, limit, row), kv in zip(picks, kvs):
+            carry = step(start, carry, kv_len=limit, lo=lo, kv=kv, row=row)
     else:
         def body(r, c):
-            start, lo, limit = block(r)
-            return step(start, c, kv_len=limit, lo=lo)
+            start, lo, limit, row = block(r)
+            return step(start, c, kv_len=limit, lo=lo, row=row)
 
         total = jnp.sum(take.astype(jnp.int32))
         carry = lax.fori_loop(first, jnp.minimum(first + per_split, total), body, carry)
@@ -125,18 +132,21 @@ def pool_select_attention_tiled(
     q: jax.Array, k: jax.Array, v: jax.Array, scores: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array, *,
     tokens: int, tile_rows: int, scale: float, block_size: int, k_blocks: int, kernel1: int, stride1: int,
     init_blocks: int, local_blocks: int, layer: int | None = None, num_splits: int | None = None,
-    config: KernelConfig | None = None, interpret: bool | None = None,
+    config: KernelConfig | None = None, interpret: bool | None = None, page_table: jax.Array | None = None,
 ) -> jax.Array:
     """:func:`pool_select_attention` on scores in :func:`compressed_scores_tiled`'s layout (``[B, KVH,
     n_tiles * tile_rows, N1]``, fp32 or bf16, token ``t`` in row ``(t // tokens) * tile_rows + t % tokens``), read in
-    place."""
-    (k, _), (v, layer) = layer_view(k, layer), layer_view(v, layer)
+    place. With ``page_table int32[B, P]``, k / v are a paged pool ``[L, KVH, N, D]`` of ``block_size``-token
+    pages, and the blocks are each row's ``P`` pages."""
+    paged = page_table is not None
+    if not paged:
+        (k, _), (v, layer) = layer_view(k, layer), layer_view(v, layer)
     b, t, h, d = q.shape
-    kvh, s = k.shape[2], k.shape[3]
+    kvh, s = k.shape[-3], k.shape[-2]
     if s < block_size:
         raise ValueError(f"pool_select_attention needs a cache of at least one block ({block_size}), got {s}")
     n1 = scores.shape[-1]
-    num_blocks = pl.cdiv(s, block_size)
+    num_blocks = page_table.shape[1] if paged else pl.cdiv(s, block_size)
     k_sel = min(k_blocks, num_blocks)
     group = h // kvh
     rows = max(MIN_ROWS, next_power_of_2(group))
@@ -149,16 +159,20 @@ def pool_select_attention_tiled(
     pool = dict(kernel1=kernel1, stride1=stride1, ratio=block_size // stride1, n1=n1, num_blocks=num_blocks,
                 init_blocks=init_blocks, local_blocks=local_blocks)
     kernel = functools.partial(_pool_select_attend_kernel, qk_scale=scale * LOG2E, k=k_sel, block_size=block_size,
-                               seq_len=s, per_split=per_split, tokens=t, pool=pool)
+                               seq_len=s, per_split=per_split, tokens=t, pool=pool,
+                               page_size=block_size if paged else None)
     tiled = scores.reshape(b, kvh, -1, tile_rows, n1)
     # bf16 per-split outputs for bf16 queries, as flash-decoding's: the merged output is rounded to bf16
     # anyway, and the merge reads half the bytes.
     split_dtype = jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32
-    kv_specs, out_specs, out_shape = split_grid_io(b, kvh, t, splits, rows, s, d, layer, o_dtype=split_dtype)
+    kv_specs, out_specs, out_shape = split_grid_io(b, kvh, t, splits, rows, s, d, layer, o_dtype=split_dtype,
+                                                   paged=paged)
+    pages = [page_table_spec(page_table, lambda i, j, n, sp: i)] if paged else []
     o, lse = pl.pallas_call(
         kernel,
         grid=(b, kvh, t, splits),
         in_specs=[
+            *pages,
             pl.BlockSpec((b,), lambda i, j, n, sp: (0,)),
             pl.BlockSpec((b * t,), lambda i, j, n, sp: (0,)),
             pl.BlockSpec((None, None, None, None, n1), lambda i, j, n, sp: (i, j, n // tokens, n % tokens, 0)),
@@ -169,6 +183,7 @@ def pool_select_attention_tiled(
         out_shape=out_shape,
         name="minicpm_infllm_pool_select_attention",
         **launch_options(cfg, interpret),
-    )(kv_lengths.astype(jnp.int32), q_positions.astype(jnp.int32).reshape(-1), tiled, group_tiles(q, kvh, rows), k, v)
+    )(*([page_table.astype(jnp.int32)] if paged else []), kv_lengths.astype(jnp.int32),
+      q_positions.astype(jnp.int32).reshape(-1), tiled, group_tiles(q, kvh, rows), k, v)
     out = merge_splits_rows(o, lse, out_dtype=q.dtype, interpret=interpret)  # [B, KVH, T, rows, D]
     return out[:, :, :, :group].transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)

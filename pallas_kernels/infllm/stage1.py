@@ -22,8 +22,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.flash import LOG2E, MASKED, MIN_ROWS, layer_view
-from pallas_kernels.infllm.common import SCORES_CONFIG, compressed_visible
+from pallas_kernels.flash import LOG2E, MASKED, MIN_ROWS, gather_rows, layer_view, page_table_spec, paged_refs
+from pallas_kernels.infllm.common import SCORES_CONFIG, compressed_entries, compressed_visible
 from pallas_kernels.launch import KernelConfig, launch_options, next_power_of_2, num_cores
 
 
@@ -64,9 +64,22 @@ def _row_positions(pos_ref, rows: int, tokens: int, group_pad: int) -> jax.Array
     return plt.load(pos_ref.at[pl.program_id(2) * tokens + lax.broadcasted_iota(jnp.int32, (rows,), 0) // group_pad])
 
 
-def _lse_kernel(q_ref, pos_ref, k2_ref, m_ref, l_ref, *, qk_scale, kernel2, stride2, block_n, n2, blocks_per_split,
-                tokens, group_pad):
+def _load_entries(k_ref, pages_ref, start, block_n: int, *, kernel: int, stride: int, page_size: int | None):
+    """Compressed keys ``[start, start + block_n)`` ``[block_n, D]``: a slice of the row's buffer, or with a
+    page table ``pages_ref [P]`` each entry gathered from the page of its window's last key
+    (:mod:`pallas_kernels.infllm.paged`; shifts and masks: page size and stride are powers of 2)."""
+    if pages_ref is None:
+        return k_ref[pl.ds(start, block_n), :]
+    end = (start + lax.broadcasted_iota(jnp.int32, (block_n,), 0)) * stride + (kernel - 1)
+    page = jnp.minimum(lax.shift_right_logical(end, page_size.bit_length() - 1), pages_ref.shape[0] - 1)
+    within = lax.shift_right_logical(jnp.bitwise_and(end, page_size - 1), stride.bit_length() - 1)
+    rows = plt.load(pages_ref.at[page]) * (page_size // stride) + within
+    return gather_rows(k_ref, rows)
+
+
+def _lse_kernel(*refs, qk_scale, kernel2, stride2, block_n, n2, blocks_per_split, tokens, group_pad, page_size=None):
     """Pass 1, one split of the coarse keys: running max and sum (log2 units) of each row's scores."""
+    pages_ref, (q_ref, pos_ref, k2_ref, m_ref, l_ref) = paged_refs(refs, 1, page_size)
     q = q_ref[...]
     rows = q.shape[0]
     pos = _row_positions(pos_ref, rows, tokens, group_pad)
@@ -75,7 +88,7 @@ def _lse_kernel(q_ref, pos_ref, k2_ref, m_ref, l_ref, *, qk_scale, kernel2, stri
     def step(j, carry, masked: bool):
         m, l = carry
         start = jnp.minimum(j * block_n, n2 - block_n)  # clamped so the slice stays in the buffer
-        k = k2_ref[pl.ds(start, block_n), :]
+        k = _load_entries(k2_ref, pages_ref, start, block_n, kernel=kernel2, stride=stride2, page_size=page_size)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32) * qk_scale
         if masked:
@@ -101,10 +114,11 @@ def _lse_kernel(q_ref, pos_ref, k2_ref, m_ref, l_ref, *, qk_scale, kernel2, stri
     l_ref[...] = l
 
 
-def _score_kernel(q_ref, pos_ref, m_ref, l_ref, k1_ref, o_ref, *, qk_scale, group, group_pad, kernel1, stride1,
-                  block_n, n1, blocks_per_split, tokens):
+def _score_kernel(*refs, qk_scale, group, group_pad, kernel1, stride1, block_n, n1, blocks_per_split, tokens,
+                  page_size=None):
     """Pass 2, one split of the fine keys: the LSE merged from pass 1's per-split max/sum (``[S, rows]``),
     then exp2(s - LSE) summed over each token's heads."""
+    pages_ref, (q_ref, pos_ref, m_ref, l_ref, k1_ref, o_ref) = paged_refs(refs, 1, page_size)
     q = q_ref[...]
     rows = q.shape[0]
     pos = _row_positions(pos_ref, rows, tokens, group_pad)
@@ -130,7 +144,7 @@ def _score_kernel(q_ref, pos_ref, m_ref, l_ref, k1_ref, o_ref, *, qk_scale, grou
 
     def step(j, carry, masked: bool):
         start = jnp.minimum(j * block_n, n1 - block_n)
-        k = k1_ref[pl.ds(start, block_n), :]
+        k = _load_entries(k1_ref, pages_ref, start, block_n, kernel=kernel1, stride=stride1, page_size=page_size)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32) * qk_scale - lse_row
         if masked:
@@ -182,15 +196,24 @@ def compressed_scores_tiled(
     q: jax.Array, k1: jax.Array, k2: jax.Array, q_positions: jax.Array, *, scale: float,
     kernel1: int, stride1: int, kernel2: int, stride2: int, layer: int | None = None,
     extra_logits: jax.Array | None = None, num_splits: int | None = None, config: KernelConfig | None = None,
-    interpret: bool | None = None,
+    interpret: bool | None = None, page_table: jax.Array | None = None, page_size: int | None = None,
 ) -> tuple[jax.Array, int]:
     """:func:`compressed_scores` as the kernel writes them: ``[B, KVH, n_tiles * R, N1]`` in
     :func:`scores_dtype` with ``R = score_tile_rows(tokens)`` (token ``t`` in row ``(t // tokens) * R + t %
     tokens``; the other rows are padding) and ``tokens``, the tokens per tile; :func:`pool_select_blocks_tiled`
-    and :func:`pool_select_attention_tiled` read this without a copy."""
-    (k1, _), (k2, layer) = layer_view(k1, layer), layer_view(k2, layer)
+    and :func:`pool_select_attention_tiled` read this without a copy.
+
+    With ``page_table int32[B, P]``, k1 / k2 are a paged pool's compressed keys ``[L, KVH, R1 | R2, D]``
+    (:mod:`pallas_kernels.infllm.paged`, pages of ``page_size`` tokens) and ``N1 = compressed_entries(P *
+    page_size, stride1)``."""
+    paged = page_table is not None
+    if paged:
+        capacity = page_table.shape[1] * page_size
+        kvh, n1, n2 = k1.shape[1], compressed_entries(capacity, stride1), compressed_entries(capacity, stride2)
+    else:
+        (k1, _), (k2, layer) = layer_view(k1, layer), layer_view(k2, layer)
+        kvh, n1, n2 = k1.shape[2], k1.shape[3], k2.shape[3]
     b, t, h, d = q.shape
-    kvh, n1, n2 = k1.shape[2], k1.shape[3], k2.shape[3]
     if min(n1, n2) < 16:
         raise ValueError(f"compressed_scores needs at least 16 compressed entries, got {n1} and {n2}")
     group = h // kvh
@@ -209,7 +232,14 @@ def compressed_scores_tiled(
     opts = launch_options(cfg, interpret)
     q_spec = pl.BlockSpec((None, None, rows, d), lambda i, j, n, s: (i, j, n, 0))
     pos_spec = pl.BlockSpec((None, t_pad), lambda i, j, n, s: (i, 0))
-    tile = dict(tokens=tokens, group_pad=group_pad)
+    tile = dict(tokens=tokens, group_pad=group_pad, page_size=page_size)
+
+    def comp_spec(n):  # one row's compressed keys of KV head j, or the head's whole pool
+        if paged:
+            return pl.BlockSpec((None, None, n, d), lambda i, j, nt, s: (layer, j, 0, 0))
+        return pl.BlockSpec((None, None, None, n, d), lambda i, j, nt, s: (layer, i, j, 0, 0))
+    pages = [page_table_spec(page_table, lambda i, j, nt, s: i)] if paged else []
+    table = [page_table.astype(jnp.int32)] if paged else []
 
     blocks2 = pl.cdiv(n2, block_n)
     splits2 = next_power_of_2(_splits(blocks2, b * kvh * n_t))  # a power of 2: pass 2 loads all partials
@@ -219,11 +249,11 @@ def compressed_scores_tiled(
         functools.partial(_lse_kernel, qk_scale=scale * LOG2E, kernel2=kernel2, stride2=stride2, block_n=block_n,
                           n2=n2, blocks_per_split=per2, **tile),
         grid=(b, kvh, n_t, splits2),
-        in_specs=[q_spec, pos_spec, pl.BlockSpec((None, None, None, n2, d), lambda i, j, n, s: (layer, i, j, 0, 0))],
+        in_specs=[*pages, q_spec, pos_spec, comp_spec(k2.shape[-2] if paged else n2)],
         out_specs=[part_spec, part_spec],
         out_shape=[jax.ShapeDtypeStruct((b, kvh, splits2, t_pad * group_pad), jnp.float32)] * 2,
         name="minicpm_infllm_lse", **opts,
-    )(qr, pos, k2)
+    )(*table, qr, pos, k2)
     if extra_logits is not None:  # one more coarse key per (token, head) joins the LSE: one more partial
         e = extra_logits.astype(jnp.float32).reshape(b, t, kvh, group).transpose(0, 2, 1, 3) * LOG2E
         e = jnp.pad(e, ((0, 0), (0, 0), (0, t_pad - t), (0, group_pad - group)), constant_values=-jnp.inf)
@@ -241,14 +271,14 @@ def compressed_scores_tiled(
     parts_spec = pl.BlockSpec((None, None, parts, rows), lambda i, j, n, s: (i, j, 0, n))
     out = pl.pallas_call(
         functools.partial(_score_kernel, qk_scale=scale * LOG2E, group=group, group_pad=group_pad, kernel1=kernel1,
-                          stride1=stride1, block_n=block_n, n1=n1, blocks_per_split=per1, tokens=tokens),
+                          stride1=stride1, block_n=block_n, n1=n1, blocks_per_split=per1, tokens=tokens,
+                          page_size=page_size),
         grid=(b, kvh, n_t, splits1),
-        in_specs=[q_spec, pos_spec, parts_spec, parts_spec,
-                  pl.BlockSpec((None, None, None, n1, d), lambda i, j, n, s: (layer, i, j, 0, 0))],
+        in_specs=[*pages, q_spec, pos_spec, parts_spec, parts_spec, comp_spec(k1.shape[-2] if paged else n1)],
         out_specs=pl.BlockSpec((None, None, out_rows, n1), lambda i, j, n, s: (i, j, n, 0)),
         out_shape=jax.ShapeDtypeStruct((b, kvh, n_t * out_rows, n1), scores_dtype(q.dtype)),
         name="minicpm_infllm_scores", **opts,
-    )(qr, pos, m, l, k1)
+    )(*table, qr, pos, m, l, k1)
     return out, tokens
 
 

@@ -26,16 +26,23 @@ from pallas_kernels.flash import (
     MIN_ROWS,
     attend_block,
     attend_values,
+    block_loop,
+    cache_spec,
     empty_carry,
     group_tiles,
     key_block,
     layer_view,
     merge_splits,
+    pad_query_blocks,
+    page_row,
+    page_table_spec,
+    paged_length,
+    paged_refs,
     prefill_tiles,
     store_split,
 )
 from pallas_kernels.infllm.common import SPARSE_CONFIG, sparse_splits, split_grid_io
-from pallas_kernels.launch import KernelConfig, launch_options, next_power_of_2
+from pallas_kernels.launch import KernelConfig, launch_options, next_power_of_2, tuned_config
 
 
 def block_sparse_attention_reference(
@@ -80,8 +87,8 @@ def block_sparse_attention_reference(
     return out, lse.transpose(0, 3, 1, 2).reshape(b, t, h)
 
 
-def _sparse_kernel(len_ref, q_ref, pos_ref, idx_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_scale, block_size,
-                   seq_len, per_split, whole_blocks):
+def _sparse_kernel(*refs, qk_scale, block_size, seq_len, per_split, whole_blocks, page_size=None):
+    pages_ref, (len_ref, q_ref, pos_ref, idx_ref, k_ref, v_ref, o_ref, lse_ref) = paged_refs(refs, 1, page_size)
     kv_len = len_ref[pl.program_id(0)]
     q = q_ref[...]
     pos = pos_ref[...]
@@ -93,15 +100,16 @@ def _sparse_kernel(len_ref, q_ref, pos_ref, idx_ref, k_ref, v_ref, o_ref, lse_re
 
     def step(i, carry):
         block_start = idx_ref[i] * block_size
+        if pages_ref is None:  # the slice is clamped into the buffer (keys before the block are masked by `lo`)
+            start, row = jnp.minimum(block_start, seq_len - block_size), None
+        else:  # a block is one page
+            start, row = block_start, page_row(pages_ref, block_start, page_size)
         if whole_blocks:  # every key of the block is visible to every row: no masks (the clamp only keeps a
             # broken promise inside the buffer)
-            return attend_block(q, k_ref, v_ref, jnp.minimum(block_start, seq_len - block_size), carry,
-                                 qk_scale=qk_scale, block_k=block_size)
-        # The slice is clamped into the buffer; keys before the block's start are masked out by `lo`.
-        start = jnp.minimum(block_start, seq_len - block_size)
+            return attend_block(q, k_ref, v_ref, start, carry, qk_scale=qk_scale, block_k=block_size, row=row)
         limit = jnp.minimum(kv_len, block_start + block_size)
         return attend_block(q, k_ref, v_ref, start, carry, qk_scale=qk_scale, block_k=block_size, pos=pos,
-                             kv_len=limit, lo=block_start)
+                             kv_len=limit, lo=block_start, row=row)
 
     store_split(o_ref, lse_ref, lax.fori_loop(first, last, step, empty_carry(rows, q.shape[1])))
 
@@ -110,18 +118,22 @@ def block_sparse_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array,
     block_indices: jax.Array, *, scale: float, block_size: int, layer: int | None = None, return_lse: bool = False,
     whole_blocks: bool = False, num_splits: int | None = None, config: KernelConfig | None = None,
-    interpret: bool | None = None,
+    interpret: bool | None = None, page_table: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Block-sparse causal attention (Pallas). Signature of :func:`block_sparse_attention_reference`;
-    ``block_indices`` must list each row's valid blocks first (the ``-1`` entries last).
+    ``block_indices`` must list each row's valid blocks first (the ``-1`` entries last). With ``page_table
+    int32[B, P]``, k / v are a paged pool ``[L, KVH, N, D]`` whose pages are blocks (``block_size`` tokens;
+    the reference is :func:`pallas_kernels.infllm.paged.paged_block_sparse_attention_reference`).
 
     Grid (batch, KV group, token, split of the selected blocks): the tile is the group's query heads for
     one token (they share the selection), each step one ``block_size``-key block; splits are merged by
     log-sum-exp as in flash-decoding.
     """
-    (k, _), (v, layer) = layer_view(k, layer), layer_view(v, layer)
+    paged = page_table is not None
+    if not paged:
+        (k, _), (v, layer) = layer_view(k, layer), layer_view(v, layer)
     b, t, h, d = q.shape
-    kvh, s = k.shape[2], k.shape[3]
+    kvh, s = k.shape[-3], k.shape[-2]
     if s < block_size:
         raise ValueError(f"block_sparse_attention needs a cache of at least one block ({block_size}), got {s}")
     group = h // kvh
@@ -134,12 +146,14 @@ def block_sparse_attention(
     per_split = pl.cdiv(k_pad, splits)
     cfg = config or SPARSE_CONFIG
     kernel = functools.partial(_sparse_kernel, qk_scale=scale * LOG2E, block_size=block_size, seq_len=s,
-                               per_split=per_split, whole_blocks=whole_blocks)
-    kv_specs, out_specs, out_shape = split_grid_io(b, kvh, t, splits, rows, s, d, layer)
+                               per_split=per_split, whole_blocks=whole_blocks, page_size=block_size if paged else None)
+    kv_specs, out_specs, out_shape = split_grid_io(b, kvh, t, splits, rows, s, d, layer, paged=paged)
+    pages = [page_table_spec(page_table, lambda i, j, n, sp: i)] if paged else []
     o, lse = pl.pallas_call(
         kernel,
         grid=(b, kvh, t, splits),
         in_specs=[
+            *pages,
             pl.BlockSpec((b,), lambda i, j, n, sp: (0,)),
             pl.BlockSpec((None, None, rows, d), lambda i, j, n, sp: (i, n, j, 0)),
             pl.BlockSpec((None, None, rows), lambda i, j, n, sp: (i, n, 0)),
@@ -150,7 +164,8 @@ def block_sparse_attention(
         out_shape=out_shape,
         name="minicpm_infllm_sparse_attention",
         **launch_options(cfg, interpret),
-    )(kv_lengths.astype(jnp.int32), group_tiles(q, kvh, rows), row_pos, idx, k, v)
+    )(*([page_table.astype(jnp.int32)] if paged else []), kv_lengths.astype(jnp.int32), group_tiles(q, kvh, rows),
+      row_pos, idx, k, v)
     out = o[:, :, :, 0] if splits == 1 else merge_splits(o, lse)  # [B, KVH, T, rows, D]
     out = out[:, :, :, :group].transpose(0, 2, 1, 3, 4).reshape(b, t, h, d).astype(q.dtype)
     if not return_lse:
@@ -190,11 +205,11 @@ def local_window_attention_reference(
     return out.reshape(b, t, h, d).astype(q.dtype), lse.transpose(0, 3, 1, 2).reshape(b, t, h)
 
 
-def _window_kernel(len_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_scale, block_k, block_size,
-                   local_blocks):
+def _window_kernel(*refs, qk_scale, block_k, block_size, local_blocks, page_size=None):
     """One query block of one head: keys from the lowest row's window start to the highest row's position,
     masked only over the blocks where some row's window starts or the causal diagonal runs."""
-    kv_len = len_ref[pl.program_id(0)]
+    pages_ref, (len_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, lse_ref) = paged_refs(refs, 1, page_size)
+    kv_len = paged_length(len_ref[pl.program_id(0)], pages_ref, page_size)
     q = q_ref[...]
     pos = pos_ref[...]
     lo = block_size * jnp.maximum(pos // block_size - local_blocks, 0)  # [M] each row's first key
@@ -204,47 +219,59 @@ def _window_kernel(len_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_
     carry = empty_carry(q.shape[0], q.shape[1])
     step = functools.partial(attend_block, q, k_ref, v_ref, qk_scale=qk_scale, block_k=block_k)
 
-    def masked(j, c):
+    def masked(j, row, c):
         key = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        return step(j * block_k, c, pos=pos, kv_len=kv_len, mask=key >= lo[:, None])
+        return step(j * block_k, c, pos=pos, kv_len=kv_len, mask=key >= lo[:, None], row=row)
 
-    carry = lax.fori_loop(jnp.min(lo) // block_k, n_lo, masked, carry)
-    carry = lax.fori_loop(n_lo, n_full, lambda j, c: step(j * block_k, c), carry)
-    store_split(o_ref, lse_ref, lax.fori_loop(n_full, n_all, masked, carry))
+    loop = functools.partial(block_loop, block_k=block_k, pages_ref=pages_ref, page_size=page_size)
+    carry = loop(jnp.min(lo) // block_k, n_lo, masked, carry)
+    carry = loop(n_lo, n_full, lambda j, row, c: step(j * block_k, c, row=row), carry)
+    store_split(o_ref, lse_ref, loop(n_full, n_all, masked, carry))
 
 
 def local_window_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array, *, scale: float,
     block_size: int, local_blocks: int, layer: int | None = None, config: KernelConfig | None = None,
-    interpret: bool | None = None,
+    interpret: bool | None = None, page_table: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Pallas version of :func:`local_window_attention_reference` (same signature): flash attention with
     the grid of the dense prefill kernel (batch, query head, query block), so a K/V block is read once per
     head and query block rather than once per token as in :func:`block_sparse_attention`. The keys a block
-    streams are its rows' windows, ``(local_blocks + 1)·block_size`` of them for block-aligned rows."""
+    streams are its rows' windows, ``(local_blocks + 1)·block_size`` of them for block-aligned rows. With
+    ``page_table int32[B, P]``, k / v are a paged pool ``[L, KVH, N, D]`` of ``block_size``-token pages."""
     b, t, h, d = q.shape
-    k, v, layer, cfg, q, q_positions, block_q = prefill_tiles(q, k, v, q_positions, kv_lengths, layer=layer,
-                                                              config=config)
-    kvh, s = k.shape[2], k.shape[3]
+    paged = page_table is not None
+    if paged:
+        cfg = config or tuned_config("prefill", d)
+        q, q_positions, block_q = pad_query_blocks(q, q_positions, cfg.block_q)
+        block_k = min(cfg.block_k, block_size)
+    else:
+        k, v, layer, cfg, q, q_positions, block_q = prefill_tiles(q, k, v, q_positions, kv_lengths, layer=layer,
+                                                                  config=config)
+        block_k = key_block(cfg.block_k, k.shape[3])
+    kvh, s = k.shape[-3], k.shape[-2]
     group = h // kvh
     t_pad = q.shape[1]
     n_q = t_pad // block_q
-    kernel = functools.partial(_window_kernel, qk_scale=scale * LOG2E, block_k=key_block(cfg.block_k, s),
-                               block_size=block_size, local_blocks=local_blocks)
+    kernel = functools.partial(_window_kernel, qk_scale=scale * LOG2E, block_k=block_k, block_size=block_size,
+                               local_blocks=local_blocks, page_size=block_size if paged else None)
+    kv_spec = cache_spec(k.shape, layer, lambda i, j, n: (i, j // group), paged)
+    pages = [page_table_spec(page_table, lambda i, j, n: i)] if paged else []
     out, lse = pl.pallas_call(
         kernel,
         grid=(b, h, n_q),
         in_specs=[
+            *pages,
             pl.BlockSpec((b,), lambda i, j, n: (0,)),
             pl.BlockSpec((None, block_q, None, d), lambda i, j, n: (i, n, j, 0)),
             pl.BlockSpec((None, block_q), lambda i, j, n: (i, n)),
-            pl.BlockSpec((None, None, None, s, d), lambda i, j, n: (layer, i, j // group, 0, 0)),
-            pl.BlockSpec((None, None, None, s, d), lambda i, j, n: (layer, i, j // group, 0, 0)),
+            kv_spec, kv_spec,
         ],
         out_specs=[pl.BlockSpec((None, block_q, None, d), lambda i, j, n: (i, n, j, 0)),
                    pl.BlockSpec((None, None, block_q), lambda i, j, n: (i, j, n))],
         out_shape=[jax.ShapeDtypeStruct((b, t_pad, h, d), q.dtype), jax.ShapeDtypeStruct((b, h, t_pad), jnp.float32)],
         name="minicpm_infllm_window_attention",
         **launch_options(cfg, interpret),
-    )(kv_lengths.astype(jnp.int32), q, q_positions.astype(jnp.int32), k, v)
+    )(*([page_table.astype(jnp.int32)] if paged else []), kv_lengths.astype(jnp.int32), q,
+      q_positions.astype(jnp.int32), k, v)
     return out[:, :t], lse[:, :, :t].transpose(0, 2, 1) / LOG2E
