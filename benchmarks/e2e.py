@@ -116,7 +116,7 @@ def bench_end_to_end(shape: str, contexts: list[int], batch_size: int, decode_st
     if kv_cache == "paged":
         paging = Paging(num_pages=batch_size * -(-max_length // DEFAULT_PAGE_SIZE))
         cache_bytes = PagedKVCache.nbytes(config, paging.num_pages, paging.page_size, batch_size, dtype,
-                                          kv_heads=tp.stored_kv_heads) // tp.size
+                                          kv_heads=tp.stored_kv_heads, sparse=model.sparse) // tp.size
     elif kv_cache != "contiguous":
         raise MiniCPMError(f"--kv_caches takes contiguous and paged, got {kv_cache!r}")
     engine = Engine(model, batch_size=batch_size, chunk_length=min(chunk_length, max_length), decode_block=decode_block,

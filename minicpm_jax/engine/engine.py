@@ -112,7 +112,8 @@ def allocate_cache(model: MiniCPMForCausalLM, batch_size: int, paging: Paging | 
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         if paging is not None:
-            size = PagedKVCache.nbytes(model.config, paging.num_pages, paging.page_size, batch_size, model.dtype)
+            size = PagedKVCache.nbytes(model.config, paging.num_pages, paging.page_size, batch_size, model.dtype,
+                                       sparse=model.sparse if model.sparse_active else None)
             what, fix = f"{paging.num_pages} pages of {paging.page_size} tokens", "fewer pages"
         else:
             size = KVCache.nbytes(model.config, batch_size, model.max_length, model.dtype,

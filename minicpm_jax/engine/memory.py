@@ -140,13 +140,14 @@ def check_fits(config: ModelConfig, *, max_length: int, batch_size: int, dtype, 
 
 
 def pool_pages(config: ModelConfig, *, budget: int, dtype, page_size: int, batch_size: int, prefill_tokens: int,
-               tensor_parallel: int = 1) -> int:
+               tensor_parallel: int = 1, sparse: SparseConfig | None = None) -> int:
     """Pages of a paged KV pool that fit ``budget`` (bytes still free on each device, the weights already
     loaded): what is left after a workspace for a prefill step of ``prefill_tokens`` tokens and a decode
     step of ``batch_size`` rows, :data:`XLA_HEADROOM` of the budget (at least 1 GiB) for XLA's own scratch,
-    and the rows' speculative-tree scratch regions. MiniCPMError when not even 16 pages fit."""
+    and the rows' speculative-tree scratch regions. A page of a sparse model (``sparse``: InfLLM-v2's
+    settings) also holds its compressed keys. MiniCPMError when not even 16 pages fit."""
     tp = TensorParallel.of(config, tensor_parallel)
-    page = PagedKVCache.page_nbytes(config, page_size, dtype, kv_heads=tp.stored_kv_heads) // tp.size
+    page = PagedKVCache.page_nbytes(config, page_size, dtype, kv_heads=tp.stored_kv_heads, sparse=sparse) // tp.size
     scratch = PagedKVCache.nbytes(config, 0, page_size, batch_size, dtype, kv_heads=tp.stored_kv_heads) // tp.size
     workspace = workspace_bytes(config, 1, prefill_tokens, dtype) + 2 * batch_size * config.vocab_size * 4
     workspace += max(GiB, int(XLA_HEADROOM * budget))

@@ -19,23 +19,25 @@ from jax import lax
 from minicpm_jax.config import SparseConfig
 from minicpm_jax.infllm.policy import geometry
 from minicpm_jax.model.cache import KVCache
+from minicpm_jax.model.paged_cache import PagedKVCache
 from pallas_kernels.flash import merge_attention
 from pallas_kernels.infllm.common import compressed_count
 
 
 def sparse_attention(
-    q: jax.Array, q_select: jax.Array, cache: KVCache, layer: int, q_positions: jax.Array, kv_lengths: jax.Array,
+    q: jax.Array, q_select: jax.Array, cache: KVCache | PagedKVCache, layer: int, q_positions: jax.Array,
+    kv_lengths: jax.Array,
     sparse: SparseConfig, *, scale: float, kernels: ModuleType,
 ) -> jax.Array:
     """InfLLM-v2 attention of ``q [B, T, H, D]`` (post-RoPE) over ``layer`` of the cache: stage-1 scores of
     ``q_select`` (``q``, or pre-RoPE q with ``use_nope``) against K1/K2, block selection, block-sparse
     attention. kernels: the backend namespace. Returns ``[B, T, H, D]``."""
-    return kernels.sparse_attention(q, q_select, cache.k, cache.v, cache.k1, cache.k2, q_positions, kv_lengths,
-                                    scale=scale, geometry=geometry(sparse), layer=layer)
+    return cache.attend_sparse(layer, q, q_select, q_positions, kv_lengths, geometry(sparse), kernels, scale=scale)
 
 
 def tree_sparse_attention(
-    q: jax.Array, q_select: jax.Array, tree_k: jax.Array, tree_v: jax.Array, tree_mask: jax.Array, cache: KVCache,
+    q: jax.Array, q_select: jax.Array, tree_k: jax.Array, tree_v: jax.Array, tree_mask: jax.Array,
+    cache: KVCache | PagedKVCache,
     layer: int, prefix: jax.Array, depths: jax.Array, sparse: SparseConfig, *, scale: float, kernels: ModuleType,
     unrotate=None,
 ) -> jax.Array:
@@ -63,7 +65,7 @@ def tree_sparse_attention(
     first = compressed_count(prefix, kernel=k2_size, stride=k2_stride) * k2_stride  # [B] its first key
     end = first + k2_size
     key_pos = jnp.minimum(first[:, None] + jnp.arange(k2_size, dtype=jnp.int32)[None, :], cache.max_length - 1)
-    keys = cache.k[layer, jnp.arange(b)[:, None], :, key_pos]  # [B, k2, KVH, D]
+    keys = cache.keys_at(layer, key_pos)  # [B, k2, KVH, D]
     path_k = tree_k
     if unrotate is not None:
         keys = unrotate(keys, key_pos)
@@ -82,13 +84,11 @@ def tree_sparse_attention(
     # The cache's slot for that window is stale (the path is not committed): stage 1 runs at a position that
     # cannot see it (fine windows hidden by this are path windows too, scoring forced blocks only).
     score_pos = jnp.minimum(positions, end[:, None] - 2)
-    geo = geometry(sparse)
-    num_blocks = -(-cache.max_length // sparse.block_size)
-    blocks = kernels.select_blocks(q_select, cache.k1, cache.k2, positions, prefix, scale=scale, geometry=geo,
-                                   num_blocks=num_blocks, layer=layer, score_positions=score_pos, extra_logits=extra)
+    blocks = cache.select_blocks(layer, q_select, positions, prefix, geometry(sparse), kernels, scale=scale,
+                                 score_positions=score_pos, extra_logits=extra)
     # (3) The prefix's selected blocks, and the ancestors; merged by their log-sum-exps.
-    out_p, lse_p = kernels.block_sparse_attention(q, cache.k, cache.v, positions, prefix, blocks, scale=scale,
-                                                  block_size=sparse.block_size, layer=layer, return_lse=True)
+    out_p, lse_p = cache.attend_blocks(layer, q, positions, prefix, blocks, kernels, scale=scale,
+                                       block_size=sparse.block_size)
     qg = q.reshape(b, t, kvh, h // kvh, d)
     s = jnp.einsum("btkgd,bjkd->btkgj", qg, tree_k, preferred_element_type=jnp.float32) * scale
     s = jnp.where(tree_mask[:, :, None, None, :], s, -jnp.inf)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from minicpm_jax.config import ModelConfig, SparseConfig
+from pallas_kernels.infllm.common import Geometry
 
 
 def compressed_sizes(sparse: SparseConfig, max_length: int) -> tuple[int, int]:
@@ -142,6 +143,44 @@ class KVCache:
         names (``ops.tree_attention``); ``[B, T, H, D]``."""
         return ops.tree_attention(q, self.k, self.v, tree.prefix, tree.mask, scale=scale, layer=layer,
                                   window=tree.window)
+
+    # ------------------------------------------------------------------ InfLLM-v2 (sparse models)
+    def keys_at(self, layer: int, positions: jax.Array) -> jax.Array:
+        """``layer``'s keys at ``positions int32[B, N]`` of each row: ``[B, N, kv_heads, head_dim]``."""
+        return self.k[layer, jnp.arange(self.batch_size)[:, None], :, positions]
+
+    def extend_compressed(self, layer: int, old_lengths: jax.Array, new_lengths: jax.Array, geometry: Geometry, *,
+                          max_tokens: int, ops: ModuleType, unrotate=None) -> "KVCache":
+        """``layer``'s K1/K2 extended over the windows completed from ``old_lengths`` to ``new_lengths``
+        (``int32[B]``, at most ``max_tokens`` apart), averaging keys already in the cache
+        (``ops.compress_windows``)."""
+        k1, k2 = ops.compress_windows(self.k, self.k1, self.k2, old_lengths, new_lengths, geometry=geometry,
+                                      layer=layer, max_tokens=max_tokens, unrotate=unrotate)
+        return dataclasses.replace(self, k1=k1, k2=k2)
+
+    def attend_sparse(self, layer: int, q: jax.Array, q_select: jax.Array, positions: jax.Array,
+                      kv_lengths: jax.Array, geometry: Geometry, ops: ModuleType, *, scale: float) -> jax.Array:
+        """InfLLM-v2 attention of ``q [B, T, H, D]`` (post-RoPE; selection by ``q_select``) over ``layer``
+        (``ops.sparse_attention``); ``[B, T, H, D]``."""
+        return ops.sparse_attention(q, q_select, self.k, self.v, self.k1, self.k2, positions, kv_lengths, scale=scale,
+                                    geometry=geometry, layer=layer)
+
+    def select_blocks(self, layer: int, q_select: jax.Array, positions: jax.Array, kv_lengths: jax.Array,
+                      geometry: Geometry, ops: ModuleType, *, scale: float, score_positions: jax.Array | None = None,
+                      extra_logits: jax.Array | None = None) -> jax.Array:
+        """InfLLM-v2's selection: the blocks each query attends ``int32[B, KVH, T, K]`` (``ops.select_blocks``
+        over the cache's ``ceil(max_length / block_size)`` blocks)."""
+        return ops.select_blocks(q_select, self.k1, self.k2, positions, kv_lengths, scale=scale, geometry=geometry,
+                                 num_blocks=-(-self.max_length // geometry.block_size), layer=layer,
+                                 score_positions=score_positions, extra_logits=extra_logits)
+
+    def attend_blocks(self, layer: int, q: jax.Array, positions: jax.Array, kv_lengths: jax.Array,
+                      blocks: jax.Array, ops: ModuleType, *, scale: float,
+                      block_size: int) -> tuple[jax.Array, jax.Array]:
+        """Attention of ``q`` over the selected ``blocks`` of ``block_size`` tokens, with its fp32 log-sum-exp
+        ``[B, T, H]`` (``ops.block_sparse_attention``)."""
+        return ops.block_sparse_attention(q, self.k, self.v, positions, kv_lengths, blocks, scale=scale,
+                                          block_size=block_size, layer=layer, return_lse=True)
 
     # ------------------------------------------------------------------ what the engine does with it
     def take_rows(self, idx: jax.Array) -> "KVCache":

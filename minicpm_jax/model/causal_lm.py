@@ -127,14 +127,14 @@ class MiniCPMForCausalLM(nnx.Module):
     def new_paged_cache(self, *, num_pages: int, page_size: int, batch_size: int) -> PagedKVCache:
         """An empty :class:`~minicpm_jax.model.paged_cache.PagedKVCache`: a pool of ``num_pages`` pages of
         ``page_size`` tokens viewed by ``batch_size`` rows of up to ``max_length`` tokens (split over the
-        mesh by KV heads like :meth:`new_cache`). MiniCPMError for InfLLM-v2 sparse attention, whose
-        compressed keys have no paged layout yet."""
-        if self.sparse_active:
-            raise MiniCPMError("the paged KV cache does not hold InfLLM-v2's compressed keys yet: use the contiguous "
-                               "cache (--kv_cache contiguous) or dense attention (--sparse off)")
+        mesh by KV heads like :meth:`new_cache`), with InfLLM-v2's compressed keys in the pages when sparse
+        (MiniCPMError unless a page is one sparse block)."""
+        sparse = self.sparse if self.sparse_active else None
+        if sparse is not None:
+            PagedKVCache.check_sparse(sparse, page_size)  # the one-line error before any allocation
         return allocate(self.mesh, lambda: PagedKVCache.create(
             self.config, num_pages=num_pages, page_size=page_size, batch_size=batch_size, max_length=self.max_length,
-            dtype=self.dtype, kv_heads=self.tp.stored_kv_heads), cache_specs)
+            dtype=self.dtype, kv_heads=self.tp.stored_kv_heads, sparse=sparse), cache_specs)
 
     def param_specs(self, state: nnx.State) -> nnx.State:
         """The PartitionSpecs of this model's ``nnx.split`` state over its mesh (all replicated at size 1)."""
@@ -143,12 +143,12 @@ class MiniCPMForCausalLM(nnx.Module):
     def cache_specs(self, page_size: int | None = None) -> KVCache | PagedKVCache:
         """The PartitionSpecs of this model's caches: a :class:`KVCache` of specs, or with ``page_size`` a
         :class:`~minicpm_jax.model.paged_cache.PagedKVCache` of specs (of pages of that size)."""
+        sparse = self.sparse if self.sparse_active else None
         if page_size is not None:
             shape = jax.eval_shape(lambda: PagedKVCache.create(self.config, num_pages=1, page_size=page_size,
                                                                batch_size=1, max_length=self.max_length,
-                                                               dtype=self.dtype))
+                                                               dtype=self.dtype, sparse=sparse))
             return cache_specs(shape)
-        sparse = self.sparse if self.sparse_active else None
         return cache_specs(jax.eval_shape(lambda: KVCache.create(self.config, 1, 16, self.dtype, sparse)))
 
     def forward(

@@ -8,6 +8,10 @@ lengths of the rows it runs — which the engine composes from its host-side boo
 come and go without recompilation. The operations are those of the contiguous
 :class:`~minicpm_jax.model.cache.KVCache`, run by the kernel backend's paged ops.
 
+InfLLM-v2's compressed keys live in the pages too (``k1``/``k2``, the layout of
+:mod:`pallas_kernels.infllm.paged`: each entry in the page of its window's last key, so a page shared by
+prefix carries its compressed keys, and the attended blocks are pages).
+
 Speculative-tree tokens are not written into the sequence's pages: each row has a scratch region of
 ``tree_slots`` contiguous slots past the pages (its tree is verified there, then the accepted path is
 copied into the row's pages by :meth:`PagedKVCache.commit_path`), so a rejected branch never touches a
@@ -22,8 +26,9 @@ from types import ModuleType
 import jax
 import jax.numpy as jnp
 
-from minicpm_jax.config import ModelConfig
+from minicpm_jax.config import ModelConfig, SparseConfig
 from minicpm_jax.model.cache import TreeInputs, cleared_lengths
+from pallas_kernels.infllm.common import Geometry
 
 # A row's tree scratch region holds a whole tree (MAX_TREE_NODES of pallas_kernels.tree_attention).
 TREE_SLOTS = 64
@@ -42,6 +47,9 @@ class PagedKVCache:
                  name any page: the kernels never read past a row's length).
     lengths:     ``int32[batch]`` valid tokens per row.
     tree_base:   ``int32[batch]`` the first slot of each row's tree scratch region.
+    k1, k2:      InfLLM-v2's compressed keys ``[num_layers, kv_heads, num_pages * page_size / stride, head_dim]``
+                 (fine and coarse; :mod:`pallas_kernels.infllm.paged`), or None when the model attends
+                 densely.
     page_size, max_length (static): tokens per page; the most tokens a row holds
                  (``pages_per_row * page_size`` rounded down to the model's cache length).
     """
@@ -51,6 +59,8 @@ class PagedKVCache:
     page_table: jax.Array
     lengths: jax.Array
     tree_base: jax.Array
+    k1: jax.Array | None = None
+    k2: jax.Array | None = None
     page_size: int = dataclasses.field(metadata=dict(static=True), default=64)
     max_length: int = dataclasses.field(metadata=dict(static=True), default=0)
 
@@ -62,36 +72,66 @@ class PagedKVCache:
     def pages_per_row(max_length: int, page_size: int) -> int:
         return -(-max_length // page_size)
 
+    @staticmethod
+    def check_sparse(sparse: SparseConfig, page_size: int) -> None:
+        """MiniCPMError unless InfLLM-v2's geometry maps onto pages of ``page_size`` tokens (a page is one
+        attended block; whole compressed entries per page)."""
+        from minicpm_jax.errors import MiniCPMError
+        from pallas_kernels.infllm.paged import check_paged_geometry
+
+        try:
+            check_paged_geometry(page_size, block_size=sparse.block_size, stride1=sparse.kernel_stride,
+                                 stride2=sparse.kernel_stride2)
+        except ValueError as e:
+            raise MiniCPMError(f"{e} (--page_size {sparse.block_size})") from None
+
+    @staticmethod
+    def compressed_per_page(sparse: SparseConfig | None, page_size: int) -> tuple[int, int]:
+        """Fine and coarse compressed entries each page holds (0, 0 for dense attention)."""
+        if sparse is None:
+            return 0, 0
+        return page_size // sparse.kernel_stride, page_size // sparse.kernel_stride2
+
     @classmethod
     def create(cls, config: ModelConfig, *, num_pages: int, page_size: int, batch_size: int, max_length: int,
-               dtype=jnp.bfloat16, kv_heads: int | None = None, scratch_rows: int | None = None) -> "PagedKVCache":
+               dtype=jnp.bfloat16, kv_heads: int | None = None, scratch_rows: int | None = None,
+               sparse: SparseConfig | None = None) -> "PagedKVCache":
         """A zero-filled pool of ``num_pages`` pages of ``page_size`` tokens, viewed by ``batch_size`` rows of up
-        to ``max_length`` tokens (every row empty, its page table all page 0). kv_heads: the head axis
-        (default the model's; more when tensor parallelism replicates KV heads). scratch_rows: tree scratch
-        regions to allocate (default ``batch_size``; a view of fewer rows shares them)."""
+        to ``max_length`` tokens (every row empty, its page table all page 0), with the compressed keys of
+        ``sparse`` (InfLLM-v2 settings) when given. kv_heads: the head axis (default the model's; more when
+        tensor parallelism replicates KV heads). scratch_rows: tree scratch regions to allocate (default
+        ``batch_size``; a view of fewer rows shares them)."""
         scratch_rows = batch_size if scratch_rows is None else scratch_rows
         slots = num_pages * page_size + scratch_rows * TREE_SLOTS
-        shape = (config.num_layers, kv_heads or config.num_kv_heads, slots, config.head_dim)
+        heads = kv_heads or config.num_kv_heads
+        shape = (config.num_layers, heads, slots, config.head_dim)
+        compressed = {}
+        if sparse is not None:
+            cls.check_sparse(sparse, page_size)
+            for name, per_page in zip(("k1", "k2"), cls.compressed_per_page(sparse, page_size)):
+                compressed[name] = jnp.zeros((config.num_layers, heads, num_pages * per_page, config.head_dim), dtype)
         return cls(
             k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
             page_table=jnp.zeros((batch_size, cls.pages_per_row(max_length, page_size)), jnp.int32),
             lengths=jnp.zeros((batch_size,), jnp.int32),
             tree_base=num_pages * page_size + TREE_SLOTS * jnp.arange(batch_size, dtype=jnp.int32),
-            page_size=page_size, max_length=max_length,
+            page_size=page_size, max_length=max_length, **compressed,
         )
 
-    @staticmethod
-    def nbytes(config: ModelConfig, num_pages: int, page_size: int, batch_size: int, dtype=jnp.bfloat16,
-               kv_heads: int | None = None) -> int:
-        """Bytes of the K and V pools (with ``batch_size`` tree scratch regions)."""
-        slots = num_pages * page_size + batch_size * TREE_SLOTS
-        per_slot = config.num_layers * (kv_heads or config.num_kv_heads) * config.head_dim
-        return 2 * slots * per_slot * jnp.dtype(dtype).itemsize
+    @classmethod
+    def nbytes(cls, config: ModelConfig, num_pages: int, page_size: int, batch_size: int, dtype=jnp.bfloat16,
+               kv_heads: int | None = None, sparse: SparseConfig | None = None) -> int:
+        """Bytes of the pools (with ``batch_size`` tree scratch regions, and ``sparse``'s compressed keys)."""
+        scratch = 2 * batch_size * TREE_SLOTS * config.num_layers * (kv_heads or config.num_kv_heads) * \
+            config.head_dim * jnp.dtype(dtype).itemsize
+        return num_pages * cls.page_nbytes(config, page_size, dtype, kv_heads, sparse) + scratch
 
-    @staticmethod
-    def page_nbytes(config: ModelConfig, page_size: int, dtype=jnp.bfloat16, kv_heads: int | None = None) -> int:
-        """Bytes one page of K and V takes over every layer."""
-        return 2 * page_size * config.num_layers * (kv_heads or config.num_kv_heads) * config.head_dim * \
+    @classmethod
+    def page_nbytes(cls, config: ModelConfig, page_size: int, dtype=jnp.bfloat16, kv_heads: int | None = None,
+                    sparse: SparseConfig | None = None) -> int:
+        """Bytes one page takes over every layer: its K and V (and ``sparse``'s compressed keys)."""
+        rows = 2 * page_size + sum(cls.compressed_per_page(sparse, page_size))
+        return rows * config.num_layers * (kv_heads or config.num_kv_heads) * config.head_dim * \
             jnp.dtype(dtype).itemsize
 
     def slots_of(self, positions: jax.Array) -> jax.Array:
@@ -134,6 +174,44 @@ class PagedKVCache:
         return ops.paged_tree_attention(q, self.k, self.v, self.page_table, tree.prefix, tree.mask, self.tree_base,
                                         scale=scale, page_size=self.page_size, layer=layer, window=tree.window)
 
+    # ------------------------------------------------------------------ InfLLM-v2 (sparse models)
+    def keys_at(self, layer: int, positions: jax.Array) -> jax.Array:
+        """``layer``'s keys at ``positions int32[B, N]`` of each row: ``[B, N, kv_heads, head_dim]``."""
+        return jnp.moveaxis(self.k[layer][:, self.slots_of(positions)], 0, 2)
+
+    def extend_compressed(self, layer: int, old_lengths: jax.Array, new_lengths: jax.Array, geometry: Geometry, *,
+                          max_tokens: int, ops: ModuleType, unrotate=None) -> "PagedKVCache":
+        """``layer``'s compressed keys extended over the windows completed from ``old_lengths`` to
+        ``new_lengths`` (``int32[B]``, at most ``max_tokens`` apart), written into the pages they end in."""
+        k1, k2 = ops.paged_compress_windows(self.k, self.k1, self.k2, self.page_table, old_lengths, new_lengths,
+                                            geometry=geometry, layer=layer, max_tokens=max_tokens,
+                                            page_size=self.page_size, unrotate=unrotate)
+        return dataclasses.replace(self, k1=k1, k2=k2)
+
+    def attend_sparse(self, layer: int, q: jax.Array, q_select: jax.Array, positions: jax.Array,
+                      kv_lengths: jax.Array, geometry: Geometry, ops: ModuleType, *, scale: float) -> jax.Array:
+        """InfLLM-v2 attention of ``q [B, T, H, D]`` over the rows' pages (``ops.paged_sparse_attention``)."""
+        return ops.paged_sparse_attention(q, q_select, self.k, self.v, self.k1, self.k2, self.page_table, positions,
+                                          kv_lengths, scale=scale, geometry=geometry, layer=layer,
+                                          page_size=self.page_size)
+
+    def select_blocks(self, layer: int, q_select: jax.Array, positions: jax.Array, kv_lengths: jax.Array,
+                      geometry: Geometry, ops: ModuleType, *, scale: float, score_positions: jax.Array | None = None,
+                      extra_logits: jax.Array | None = None) -> jax.Array:
+        """InfLLM-v2's selection: the blocks (pages, by index in each row) each query attends
+        ``int32[B, KVH, T, K]`` (``ops.paged_select_blocks``)."""
+        return ops.paged_select_blocks(q_select, self.k1, self.k2, self.page_table, positions, kv_lengths,
+                                       scale=scale, geometry=geometry, layer=layer, page_size=self.page_size,
+                                       score_positions=score_positions, extra_logits=extra_logits)
+
+    def attend_blocks(self, layer: int, q: jax.Array, positions: jax.Array, kv_lengths: jax.Array,
+                      blocks: jax.Array, ops: ModuleType, *, scale: float,
+                      block_size: int) -> tuple[jax.Array, jax.Array]:
+        """Attention of ``q`` over the selected ``blocks`` (pages: ``block_size`` is the page size), with its
+        fp32 log-sum-exp ``[B, T, H]`` (``ops.paged_block_sparse_attention``)."""
+        return ops.paged_block_sparse_attention(q, self.k, self.v, self.page_table, positions, kv_lengths, blocks,
+                                                scale=scale, block_size=block_size, layer=layer, return_lse=True)
+
     # ------------------------------------------------------------------ what the engine does with it
     def take_rows(self, idx: jax.Array) -> "PagedKVCache":
         """The view of the rows ``idx int32[b]`` alone: the same pool (nothing is copied), their page
@@ -144,7 +222,8 @@ class PagedKVCache:
     def put_rows(self, idx: jax.Array, rows: "PagedKVCache") -> "PagedKVCache":
         """This view with the pool written by ``rows`` (a view of the rows ``idx``, see :meth:`take_rows`) and
         those rows' lengths."""
-        return dataclasses.replace(self, k=rows.k, v=rows.v, lengths=self.lengths.at[idx].set(rows.lengths))
+        return dataclasses.replace(self, k=rows.k, v=rows.v, k1=rows.k1, k2=rows.k2,
+                                   lengths=self.lengths.at[idx].set(rows.lengths))
 
     def commit_path(self, prefix: jax.Array, path: jax.Array, accepted: jax.Array) -> "PagedKVCache":
         """Moves a verified speculative path into place: the tree token ``path[:, j]`` of the scratch region

@@ -261,12 +261,13 @@ def state_specs(state: nnx.State, tp: TensorParallel | None) -> nnx.State:
 
 def cache_specs(cache) -> object:
     """PartitionSpecs of a cache (the same dataclass): a :class:`~minicpm_jax.model.cache.KVCache`'s K/V and
-    compressed keys ``[L, B, KVH, N, D]``, or a :class:`~minicpm_jax.model.paged_cache.PagedKVCache`'s pool
-    ``[L, KVH, slots, D]``, split on their heads; lengths and page tables replicated."""
+    compressed keys ``[L, B, KVH, N, D]``, or a :class:`~minicpm_jax.model.paged_cache.PagedKVCache`'s pools
+    ``[L, KVH, slots, D]`` (compressed keys alike), split on their heads; lengths and page tables replicated."""
     if isinstance(cache, PagedKVCache):
         heads = P(None, AXIS)
         return dataclasses.replace(cache, k=heads, v=heads, page_table=REPLICATED, lengths=REPLICATED,
-                                   tree_base=REPLICATED)
+                                   tree_base=REPLICATED, k1=None if cache.k1 is None else heads,
+                                   k2=None if cache.k2 is None else heads)
     heads = P(None, None, AXIS)
     return dataclasses.replace(cache, k=heads, v=heads, lengths=REPLICATED,
                                k1=None if cache.k1 is None else heads, k2=None if cache.k2 is None else heads)

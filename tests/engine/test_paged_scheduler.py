@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from minicpm_jax.config import ModelConfig
+from minicpm_jax.config import ModelConfig, SparseConfig
 from minicpm_jax.engine.engine import Engine
 from minicpm_jax.engine.paging import Paging
 from minicpm_jax.engine.sampling import SamplingParams
@@ -100,6 +100,30 @@ def test_paged_requests_with_preemption_match_solo(model, solo, overlap):
         ids, finish = solo(p, b, s)
         assert rec["error"] is None and (req.output, rec["finish"]) == (ids, finish)
         assert sum(rec["blocks"], []) == ids  # delivered once each, in order, across preemptions
+    _pool_is_whole(sched)
+
+
+def test_sparse_requests_sharing_a_prefix_through_preemption_match_solo():
+    """InfLLM-v2 over pages in the server's scheduler: requests past dense_len sharing a 53-token system
+    prompt (its 3 full pages and their compressed keys computed once), preempted when the pool runs out,
+    give their tokens alone on the contiguous cache."""
+    sp = SparseConfig(kernel_size=8, kernel_stride=4, init_blocks=1, block_size=PAGE, window_size=2 * PAGE, topk=3,
+                      use_nope=False, dense_len=48)
+    sparse = MiniCPMForCausalLM(ModelConfig.from_dict(tiny_minicpm_config()), max_length=MAX_LEN, attention_impl="xla",
+                                dtype=jnp.float32, rngs=nnx.Rngs(6), sparse=sp)
+    rng = np.random.default_rng(4)
+    system = list(rng.integers(0, 97, 3 * PAGE + 5))
+    prompts = [system + list(rng.integers(0, 97, n)) for n in (4, 11, 2, 7, 20)]
+    sched = paged_scheduler(sparse, pages=12)
+    reqs = [_request(p, 30) for p in prompts]
+    for req, _ in reqs:
+        sched.submit(req)
+    _drain(sched)
+    assert sched.preempted > 0 and sched.engine.page_stats()["prefix_hits"] >= 3 * PAGE
+    solo = Engine(sparse, batch_size=1, chunk_length=16, decode_block=4)
+    for (req, rec), p in zip(reqs, prompts):
+        (want,), _ = solo.generate([p], max_new_tokens=30)
+        assert rec["error"] is None and req.output == want.token_ids
     _pool_is_whole(sched)
 
 

@@ -232,13 +232,17 @@ def test_sampled_speculative_tokens_have_the_target_distribution(pair):
     assert big.sum() >= 5  # a spread-out distribution, so the test has power
 
 
-def _sparse_pair(use_nope: bool, max_length: int = 128):
+def _sparse_pair(use_nope: bool, max_length: int = 128, block_size: int = 8):
     """The bigram pair with an InfLLM-v2 target whose sparse attention starts at 24 tokens and attends 6
-    blocks of 8 (init + 3 local + 2 selected), so selection decides outputs from 48 tokens on."""
+    blocks of 8 (init + 3 local + 2 selected), so selection decides outputs from 48 tokens on
+    (``block_size=16``, pages of a paged cache: windows 8/4, init + 2 local + 2 selected blocks of 16, so
+    selection decides from 80 tokens on)."""
     model, draft = _bigram_pair(max_length=max_length)
+    small = dict(kernel_size=4, kernel_stride=2, window_size=16) if block_size == 8 else \
+        dict(kernel_size=8, kernel_stride=4, window_size=32)
     cfg = ModelConfig.from_dict(tiny_minicpm_config(
-        vocab_size=VOCAB, sparse_config={"kernel_size": 4, "kernel_stride": 2, "init_blocks": 1, "block_size": 8,
-                                         "window_size": 16, "topk": 4, "use_nope": use_nope, "dense_len": 24}))
+        vocab_size=VOCAB, sparse_config={**small, "init_blocks": 1, "block_size": block_size, "topk": 4,
+                                         "use_nope": use_nope, "dense_len": 24}))
     sparse_model = MiniCPMForCausalLM(cfg, max_length=max_length, attention_impl="xla", dtype=jnp.float32,
                                       rngs=nnx.Rngs(0), sparse="on")
     return nnx.merge(nnx.graphdef(sparse_model), nnx.state(model)), draft
@@ -282,6 +286,23 @@ def test_sparse_target_speculative_equals_plain_sparse_greedy_across_dense_len(u
             n = (int(length) - kernel) // stride + 1
             np.testing.assert_allclose(np.asarray(getattr(engine.cache, name))[layers, row, :, :n],
                                        np.asarray(getattr(plain.cache, name))[layers, row, :, :n], rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_target_speculative_over_pages_equals_plain_sparse_greedy():
+    """The speculative engine over a paged target cache (InfLLM-v2 over pages: trees verified in the rows'
+    scratch regions against the paged prefix's compressed keys, accepted paths committed into pages and
+    their compressed keys extended there) gives plain sparse greedy decoding's tokens on the contiguous
+    cache."""
+    from minicpm_jax.engine.paging import Paging
+
+    model, draft = _sparse_pair(False, block_size=16)
+    assert model.sparse_active and model.sparse.block_size == 16
+    want, _ = Engine(model, batch_size=2, chunk_length=16).generate(PROMPTS, max_new_tokens=100)
+    engine = SpeculativeEngine(model, draft, spec=SpecConfig(num_iter=3, topk_per_iter=4, tree_size=16),
+                               batch_size=2, chunk_length=16, paging=Paging(num_pages=16, page_size=16))
+    got, stats = engine.generate(PROMPTS, max_new_tokens=100)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert stats.spec_summary()["mean_accept_length"] > 1.5 and all(len(r.token_ids) == 100 for r in want)
 
 
 def test_sparse_tree_deeper_than_the_exact_limit_is_refused():

@@ -62,3 +62,25 @@ def test_tree_sparse_attention_pallas_matches_reference_at_8b_dims():
     got = tree_sparse_attention(*args, scale=128**-0.5, kernels=backend.get("pallas"))
     want = tree_sparse_attention(*args, scale=128**-0.5, kernels=backend.get("xla"))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-3, atol=2e-3)
+
+
+def test_gpu_paged_sparse_engine_generates_the_cpu_contiguous_tokens():
+    """InfLLM-v2 over pages on the GPU (the Pallas kernels with page tables: paged stage 1, the decode path,
+    the local-window split, the paged compress step) generates the tokens of the contiguous cache's
+    references on the CPU, for prompts below and past dense_len."""
+    from minicpm_jax.engine.paging import Paging
+
+    sp = SparseConfig(kernel_size=8, kernel_stride=4, init_blocks=1, block_size=16, window_size=32, topk=3,
+                      use_nope=False, dense_len=48)
+    config = ModelConfig.from_dict(helpers.tiny_minicpm_config(sparse_config=dataclasses.asdict(sp)))
+    rng = np.random.default_rng(3)
+    prompts = [[int(x) for x in rng.integers(3, 97, n)] for n in (12, 100)]
+    out = {}
+    for name, device in (("cpu", jax.devices("cpu")[0]), ("gpu", jax.devices("gpu")[0])):
+        with jax.default_device(device):
+            model = MiniCPMForCausalLM(config, max_length=256, attention_impl="xla" if name == "cpu" else "pallas",
+                                       rngs=nnx.Rngs(0), dtype=jnp.float32)
+            paging = None if name == "cpu" else Paging(num_pages=40, page_size=16)
+            engine = Engine(model, batch_size=2, chunk_length=32, paging=paging)
+            out[name] = [r.token_ids for r in engine.generate(prompts, max_new_tokens=60)[0]]
+    assert out["gpu"] == out["cpu"]
