@@ -185,9 +185,10 @@ def speculative_description(engine) -> str:
             f"{spec.topk_per_iter}), window {spec.window_size or 'all'}, {vocab}")
 
 
-def paged_kv_from_flags(kv_cache: str) -> bool:
+def paged_kv_from_flags(kv_cache: str, page_size: int) -> bool:
     """Whether the KV cache is paged: ``paged`` / ``contiguous`` as named; ``auto`` pages it unless the
-    model attends sparsely (InfLLM-v2's compressed keys have no paged layout yet)."""
+    model attends sparsely with blocks of another size than ``page_size`` (InfLLM-v2 over pages needs a
+    page per block; MiniCPM4's blocks are the default page size, 64)."""
     if kv_cache != "auto":
         return kv_cache == "paged"
     from minicpm_jax.cli.demo import resolve_model_path
@@ -195,7 +196,8 @@ def paged_kv_from_flags(kv_cache: str) -> bool:
     from minicpm_jax.model.loading import target_config
 
     config = target_config(resolve_model_path(FLAGS.model_path, progress=False), minicpm4_yarn=FLAGS.minicpm4_yarn)
-    return resolve_sparse(config, FLAGS.sparse, **sparse_overrides_from_flags()) is None
+    sparse = resolve_sparse(config, FLAGS.sparse, **sparse_overrides_from_flags())
+    return sparse is None or sparse.block_size == page_size
 
 
 def cache_length_from_flags(model_path: str, dtype, *, batch_size: int, paged: bool = False) -> int:

@@ -38,9 +38,11 @@ flags.DEFINE_integer("max_batch_size", 8, "Sequences generated together (the eng
 flags.DEFINE_enum("kv_cache", "auto", ["auto", "paged", "contiguous"],
                   "KV memory: paged = one pool of pages shared by every request, with prefix caching (a request "
                   "holds the pages its tokens fill; prompts starting alike share them); contiguous = a whole "
-                  "--max_length row per slot; auto = paged unless the model attends sparsely (InfLLM-v2).",
+                  "--max_length row per slot; auto = paged (an InfLLM-v2 model's when its blocks are --page_size "
+                  "tokens, a page each).",
                   module_name=_H)
-flags.DEFINE_integer("page_size", 64, "Paged KV cache: tokens per page (a power of two >= 16).", module_name=_H)
+flags.DEFINE_integer("page_size", 64, "Paged KV cache: tokens per page (a power of two >= 16; an InfLLM-v2 model's "
+                     "sparse block size, 64 for MiniCPM4).", module_name=_H)
 flags.DEFINE_integer("kv_pages", 0, "Paged KV cache: pages in the pool; 0 = auto: on an accelerator every page "
                      "that fits --memory_limit once the weights are loaded, on a CPU --max_batch_size sequences of "
                      "--max_length.", module_name=_H)
@@ -127,7 +129,7 @@ def _serve() -> None:
     if jax.process_count() > 1:
         raise MiniCPMError("the server runs in one process (its scheduler decides every step): use --tensor_parallel "
                            "over this host's devices, or several hosts with `python -m minicpm_jax.run`")
-    paged = paged_kv_from_flags(FLAGS.kv_cache)
+    paged = paged_kv_from_flags(FLAGS.kv_cache, FLAGS.page_size)
     # A contiguous cache is sized for the slots and the scratch rows: prompt pieces run in copies of their
     # slots' K/V (Engine.prefill_chunk), which the memory plan must leave room for (--max_length auto).
     scratch = 1 if paged else scratch_rows(FLAGS.max_batch_size)
@@ -208,7 +210,8 @@ def auto_pool_pages(model, prefill_budget: int) -> int:
     return memory.pool_pages(model.config, budget=memory.device_budget(FLAGS.memory_limit), dtype=model.dtype,
                              page_size=FLAGS.page_size, batch_size=FLAGS.max_batch_size,
                              prefill_tokens=2 * max(prefill_budget, FLAGS.chunk_length),
-                             tensor_parallel=FLAGS.tensor_parallel)
+                             tensor_parallel=FLAGS.tensor_parallel,
+                             sparse=model.sparse if model.sparse_active else None)
 
 
 def kv_description(engine) -> str:
