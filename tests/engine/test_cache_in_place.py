@@ -70,17 +70,23 @@ def test_speculative_rounds_write_both_caches_in_place(sparse_model):
     assert cache_copies(engine.steps.compiled, shapes) == []
 
 
-@pytest.mark.parametrize("draft_kind", [None, "minicpm"])
-def test_paged_steps_write_the_pool_in_place(draft_kind):
+@pytest.mark.parametrize("draft_kind,sparse", [(None, False), ("minicpm", False), (None, True)])
+def test_paged_steps_write_the_pool_in_place(draft_kind, sparse):
     """The paged pool through every program a server runs: prompt pieces over some rows, decode blocks over
     a subset of rows (plain) or every row (speculative rounds, whose trees sit in the scratch regions and
-    whose accepted paths are copied into the pages)."""
+    whose accepted paths are copied into the pages); sparse: InfLLM-v2 over the pages, its compressed-key
+    pools written in place too, across dense_len."""
     from minicpm_jax.engine.paging import Paging
     from minicpm_jax.engine.sampling import SamplingParams
     from minicpm_jax.engine.scheduler import Request, Scheduler
 
-    cfg = ModelConfig.from_dict(tiny_minicpm_config(vocab_size=40))
-    model = MiniCPMForCausalLM(cfg, max_length=64, attention_impl="xla", dtype=jnp.float32, rngs=nnx.Rngs(0))
+    paged_sparse = {**SPARSE, "kernel_size": 8, "kernel_stride": 4, "block_size": 16, "window_size": 16,
+                    "dense_len": 24}
+    cfg = ModelConfig.from_dict(tiny_minicpm_config(vocab_size=40, **({"sparse_config": paged_sparse} if sparse
+                                                                       else {})))
+    model = MiniCPMForCausalLM(cfg, max_length=64, attention_impl="xla", dtype=jnp.float32, rngs=nnx.Rngs(0),
+                               sparse="on" if sparse else "off")
+    assert model.sparse_active == sparse
     paging = Paging(num_pages=12, page_size=16)
     if draft_kind is None:
         engine = Engine(model, batch_size=4, chunk_length=16, decode_block=1, paging=paging)
@@ -96,5 +102,8 @@ def test_paged_steps_write_the_pool_in_place(draft_kind):
         sched.step()
     names = {key[0] for key in engine.steps.compiled.executables}
     assert {"prefill_rows", "decode" if draft_kind else "decode_rows"} <= names
+    if sparse:
+        modes = {dict(key[2]).get("mode") for key in engine.steps.compiled.executables}
+        assert "dense" in modes and modes & {"sparse", "mixed"} and engine.cache.k1 is not None
     shapes = _shapes(engine.cache) | (_shapes(engine.steps.dcache) if draft_kind else set())
     assert cache_copies(engine.steps.compiled, shapes) == []
