@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from minicpm_jax.config import DraftSpec, ModelConfig
+from minicpm_jax.config import DraftSpec, ModelConfig, SparseConfig
 from minicpm_jax.engine import memory
 from minicpm_jax.engine.engine import Engine
 from minicpm_jax.engine.paging import Paging
@@ -42,6 +42,9 @@ CONFIG = ModelConfig.from_dict(CFG)
 MAX_LEN = 64
 PROMPTS = [list(range(3, 48)), [5, 17, 2, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49] * 4, [7]]
 NEW_TOKENS = 12
+# InfLLM-v2 with 16-token blocks, pages of a paged cache (SMALL's 8-token blocks are below the smallest page).
+PAGED_SPARSE = SparseConfig(kernel_size=8, kernel_stride=4, init_blocks=1, block_size=16, window_size=16, topk=2,
+                            use_nope=False, dense_len=32)
 
 
 def test_stored_layout_is_each_shards_heads_and_channels():
@@ -121,7 +124,7 @@ _MODELS: dict = {}
 def _one_device(mode: str, ckpt: str):
     """(model, draft or None) on one device, built once per mode."""
     if mode not in _MODELS:
-        sparse = SMALL if "sparse" in mode else "off"
+        sparse = PAGED_SPARSE if mode == "paged_sparse" else SMALL if "sparse" in mode else "off"
         draft = None
         if mode == "act_order":
             model = _act_order(MiniCPMForCausalLM(CONFIG, max_length=MAX_LEN, attention_impl="xla", dtype=jnp.float32,
@@ -158,6 +161,7 @@ def _run(engine, prompts):
 # 2 devices split the 2 KV heads; 4 and 8 copy them (the same layout, so 4 is left to the sparse tree case).
 CASES = [(m, n) for m in ("dense", "int4", "act_order", "sparse", "speculative", "paged") for n in (2, 8)]
 CASES.append(("speculative_sparse", 4))  # tree nodes verified sparsely with a split query group
+CASES.append(("paged_sparse", 2))  # InfLLM-v2 over pages: the compressed-key pools split by KV head too
 
 
 _WANT: dict = {}
@@ -178,7 +182,7 @@ def test_split_model_equals_one_device(mode, size, ckpt):
         if (mode, batch) not in _WANT:
             _WANT[mode, batch] = _run(_engine(model, draft, batch), prompts)
         want_logits, want_tokens, want_accepted = _WANT[mode, batch]
-        engine = _engine(split, draft, batch, mesh, paged=mode == "paged")
+        engine = _engine(split, draft, batch, mesh, paged=mode.startswith("paged"))
         assert engine.model.tp.size == size
         got_logits, got_tokens, got_accepted = _run(engine, prompts)
         np.testing.assert_allclose(got_logits, want_logits, rtol=2e-5, atol=2e-5)
