@@ -190,12 +190,9 @@ class Engine:
         self.steps = steps or PlainSteps(model, decode_block=decode_block, page_size=page_size)
         if self.steps.page_size != page_size:
             raise MiniCPMError("the step set was built for another cache layout than the engine's paging")
-        if paging is not None and self.steps.reuse_margin:
-            # A draft's cache is contiguous: pages shared from the prefix cache would leave it without the
-            # pairs of the shared prefix. Paging works, prefix caching waits for a paged draft cache.
-            paging = dataclasses.replace(paging, prefix_caching=False)
         self.paging = paging
-        self.books = None if paging is None else PagedBooks(paging, batch_size=batch_size, max_length=self.max_length)
+        self.books = None if paging is None else PagedBooks(paging, batch_size=batch_size, max_length=self.max_length,
+                                                            reuse_margin=self.steps.reuse_margin)
         self.cache = allocate_cache(model, batch_size, paging)
         self.history: list[list[int]] = [[] for _ in range(batch_size)]  # tokens whose KV each row holds
         self.sampling = "auto"  # static sampling path of the current generate call (see sampling_kind)
@@ -242,11 +239,13 @@ class Engine:
 
     def admit(self, slot: int, tokens: Sequence[int]) -> int:
         """Starts the empty ``slot`` (after :meth:`reset` or :meth:`release`) on a prompt: the pages of its
-        longest cached prefix are shared into the slot, whose length becomes that prefix's; returns its
-        tokens (whole pages, at least one prompt token left to compute)."""
+        longest cached prefix are shared into the slot (but those holding its last ``steps.reuse_margin``
+        tokens), whose length becomes that prefix's; returns its tokens (whole pages, at least one prompt
+        token left to compute)."""
         cached = self._paged_books().admit(slot, tokens)
         if cached:
             self.cache = self.cache.with_lengths(set_lengths(self.cache.lengths, np.int32(slot), np.int32(cached)))
+            self.steps.admitted(slot, cached)
         return cached
 
     def cached_tokens(self, tokens: Sequence[int]) -> int:

@@ -75,6 +75,9 @@ class PageManager:
         nobody reads; without it, page 0 is an ordinary page and such writes must be masked on device.
       on_evict: called as ``on_evict(page, tokens)`` when a cached page is evicted, with the tokens of its
         whole prefix (the page's own tokens last); for tests and host-side caches of evicted pages.
+      reuse_margin: tokens at the end of a cached prefix a new prompt computes again: it shares only the
+        whole pages before them (a speculative engine's draft stores the pair of a page's last position
+        with the token after it, which the new prompt may not share).
 
     Raises:
       MiniCPMError: a size is not valid.
@@ -82,7 +85,7 @@ class PageManager:
 
     def __init__(self, num_pages: int, page_size: int, num_slots: int, max_pages: int, *,
                  prefix_caching: bool = True, scratch_page: bool = False,
-                 on_evict: Callable[[int, tuple[int, ...]], None] | None = None):
+                 on_evict: Callable[[int, tuple[int, ...]], None] | None = None, reuse_margin: int = 0):
         first = 1 if scratch_page else 0
         if page_size < 1 or page_size & (page_size - 1):
             raise MiniCPMError(f"the page size must be a power of two, got {page_size}")
@@ -93,6 +96,7 @@ class PageManager:
             raise MiniCPMError(f"{num_pages} pages do not fit the int32 page table")
         self.num_pages, self.page_size, self.num_slots, self.max_pages = num_pages, page_size, num_slots, max_pages
         self.prefix_caching, self.scratch_page, self.on_evict = prefix_caching, scratch_page, on_evict
+        self.reuse_margin = reuse_margin
         self.table = np.zeros((num_slots, max_pages), np.int32)
         self.dirty_rows: set[int] = set()  # rows of ``table`` changed since the engine last uploaded it
         self._first = first  # lowest allocatable page
@@ -163,7 +167,7 @@ class PageManager:
         if not self.prefix_caching:
             return 0
         tokens = _ints(tokens)
-        return len(self._walk(tokens, len(tokens) - 1)) * self.page_size
+        return len(self._shared_path(tokens)) * self.page_size
 
     def stats(self) -> dict[str, int | float]:
         """Counters, safe to read from any thread: ``pages_total`` (allocatable), ``pages_free``,
@@ -192,7 +196,7 @@ class PageManager:
         self.prefix_queries += len(tokens)
         if not self.prefix_caching:
             return 0
-        path = self._walk(tokens, len(tokens) - 1)
+        path = self._shared_path(tokens)
         if not path:
             return 0
         self._clock += 1
@@ -392,6 +396,12 @@ class PageManager:
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} out of range [0, {self.num_slots})")
+
+    def _shared_path(self, tokens: list[int]) -> list[_Node]:
+        """The cached pages a prompt shares: its longest cached prefix of whole pages leaving a token to
+        compute, less the pages that hold its last ``reuse_margin`` tokens."""
+        path = self._walk(tokens, len(tokens) - 1)
+        return path[: max(0, len(path) * self.page_size - self.reuse_margin) // self.page_size]
 
     def _walk(self, tokens: Sequence[int], limit: int) -> list[_Node]:
         """The cached nodes of the whole pages of ``tokens[:limit]``, from the root, as far as cached."""

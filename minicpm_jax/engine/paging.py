@@ -49,16 +49,17 @@ class PagedBooks:
 
     Args:
       paging: the pool's settings. batch_size: the engine's slots. max_length: the most tokens a slot
-        holds (its page-table row covers them).
+        holds (its page-table row covers them). reuse_margin: tokens of a cached prefix a prompt computes
+        again (the step set's; :class:`~minicpm_jax.engine.pages.PageManager`).
     """
 
-    def __init__(self, paging: Paging, *, batch_size: int, max_length: int):
+    def __init__(self, paging: Paging, *, batch_size: int, max_length: int, reuse_margin: int = 0):
         self.paging = paging
         self.page_size = paging.page_size
         self.max_length = max_length
         self.pages = PageManager(paging.num_pages, paging.page_size, batch_size,
                                  PagedKVCache.pages_per_row(max_length, paging.page_size),
-                                 prefix_caching=paging.prefix_caching)
+                                 prefix_caching=paging.prefix_caching, reuse_margin=reuse_margin)
         self.bound = np.zeros(batch_size, np.int64)  # tokens each slot's pages cover (>= its device length)
 
     def sync(self, cache: PagedKVCache) -> PagedKVCache:

@@ -46,6 +46,10 @@ class StepSet(Protocol):
     def truncate(self, lengths: Sequence[int]) -> None:
         """The cache rows were cut to ``lengths``: per-row state past them is dropped."""
 
+    def admitted(self, slot: int, length: int) -> None:
+        """A paged engine started ``slot`` (empty) on a prompt whose first ``length`` tokens' pages it shares
+        from the prefix cache: per-row state covers them."""
+
     def prefill_chunk(self, cache: Cache, chunk: Any, logits: jax.Array, mode: str) -> tuple[Cache, jax.Array]:
         """Runs a prompt chunk (``PrefillChunk``) of every row; (cache, last-token logits ``f32[B, V]``)."""
 

@@ -215,6 +215,9 @@ class PlainSteps:
     def truncate(self, lengths: Sequence[int]) -> None:
         """The cache rows were cut to ``lengths`` (plain decoding keeps nothing beside the cache)."""
 
+    def admitted(self, slot: int, length: int) -> None:
+        """``slot`` starts on a shared cached prefix (plain decoding keeps nothing beside the cache)."""
+
     def prefill_chunk(self, cache: KVCache, chunk: PrefillChunk, logits: jax.Array, mode: str):
         """Runs ``chunk`` into ``cache``; returns (cache, last-token logits ``f32[B, V]``)."""
         args = (self.state, cache, chunk.tokens, chunk.num_valid, logits)

@@ -46,13 +46,16 @@ class TreeInputs(NamedTuple):
     prefix ``int32[B]``: committed tokens before the tree; mask ``bool[B, T, M]``: token ``i`` sees tree
     slot ``j`` (slot ``prefix + j``); offset: tree slot of the chunk's first token (``int32`` scalar; a
     draft step writes after the nodes drafted before it); window (static): committed keys visible, None =
-    all.
+    all; committed (static): the tokens are a chain already accepted (a draft's pending pairs, read as a
+    tree for the window): a cache whose tree slots are not their positions (the paged one) stores them at
+    their positions too.
     """
 
     prefix: jax.Array
     mask: jax.Array
     offset: jax.Array | int = 0
     window: int | None = None
+    committed: bool = False
 
     def slots(self, tokens: int) -> jax.Array:
         """``int32[B, tokens]``: the tree slot of each of a chunk's tokens, as a position after the
@@ -217,6 +220,11 @@ class KVCache:
         """Marks all sequences (or those where ``rows[B]`` is True) as empty; buffers are not cleared."""
         lengths = jnp.zeros_like(self.lengths) if rows is None else cleared_lengths(self.lengths, rows)
         return dataclasses.replace(self, lengths=lengths)
+
+    def with_pages_of(self, cache) -> "KVCache":
+        """This cache viewing the pages of ``cache`` (a draft's cache beside its target's); a contiguous
+        cache has no pages: itself."""
+        return self
 
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
         """This cache with each row's valid length set to ``lengths int32[B]`` (stale entries past it are

@@ -35,6 +35,7 @@ from minicpm_jax.config import DraftSpec
 from minicpm_jax.model.attention import Attention, resolve_attention_impl
 from minicpm_jax.model.cache import KVCache, TreeInputs
 from minicpm_jax.model.layers import MLP, Linear, RMSNorm, make_linear
+from minicpm_jax.model.paged_cache import PagedKVCache
 from minicpm_jax.quant import QuantSpec
 
 
@@ -95,6 +96,12 @@ class EagleDraft(nnx.Module):
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
         """An empty one-layer cache for ``max_length`` draft positions."""
         return KVCache.create(self.spec.layer, batch_size, max_length, self.dtype)
+
+    def new_paged_cache(self, *, num_pages: int, page_size: int, batch_size: int, max_length: int) -> PagedKVCache:
+        """An empty one-layer pool beside a paged target's: the same ``num_pages`` pages of ``page_size``
+        positions (a step views it through the target's page table), a tree scratch region per row."""
+        return PagedKVCache.create(self.spec.layer, num_pages=num_pages, page_size=page_size, batch_size=batch_size,
+                                   max_length=max_length, dtype=self.dtype)
 
     def __call__(self, embedded: jax.Array, features: jax.Array, positions: jax.Array, valid: jax.Array,
                  cache: KVCache, tree: TreeInputs | None = None, from_target: bool = True) -> tuple[jax.Array, KVCache]:

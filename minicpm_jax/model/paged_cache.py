@@ -161,10 +161,17 @@ class PagedKVCache:
     def write_tree(self, layer: int, k_new: jax.Array, v_new: jax.Array, tree: TreeInputs, valid: jax.Array,
                    ops: ModuleType) -> "PagedKVCache":
         """Stores speculative-tree tokens ``[B, T, kv_heads, head_dim]`` in each row's scratch region (token
-        ``i`` at ``tree_base + offset + i``)."""
+        ``i`` at ``tree_base + offset + i``); ``tree.committed`` tokens also at their positions in the row's
+        pages (in the same scatter: a copy out of the scratch region would read the pool it writes, and XLA
+        would copy the whole pool)."""
         t = k_new.shape[1]
         slots = self.tree_base[:, None] + tree.offset + jnp.arange(t, dtype=jnp.int32)[None, :]
         slots = jnp.where(valid, slots, self.k.shape[2])
+        if tree.committed:
+            positions = tree.slots(t)
+            pages = jnp.where(valid & (positions < self.max_length), self.slots_of(positions), self.k.shape[2])
+            slots = jnp.concatenate([slots, pages], axis=1)
+            k_new, v_new = (jnp.concatenate([x, x], axis=1) for x in (k_new, v_new))
         k, v = ops.paged_cache_write(self.k, self.v, k_new, v_new, slots, layer=layer)
         return dataclasses.replace(self, k=k, v=v)
 
@@ -253,6 +260,11 @@ class PagedKVCache:
     def with_lengths(self, lengths: jax.Array) -> "PagedKVCache":
         """This view with each row's valid length set to ``lengths int32[B]``."""
         return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))
+
+    def with_pages_of(self, cache: "PagedKVCache") -> "PagedKVCache":
+        """This pool viewed through ``cache``'s page table: a draft's pool whose pages are its target's
+        (page ``p`` of both holds the same positions), taken by the same rows."""
+        return dataclasses.replace(self, page_table=cache.page_table)
 
     def with_page_table(self, page_table) -> "PagedKVCache":
         """This view with the page table ``int32[B, pages_per_row]`` (the engine's host books)."""

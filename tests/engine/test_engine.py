@@ -342,7 +342,8 @@ def test_step_sets_satisfy_the_step_set_protocol(kind):
     cls = PlainSteps if kind == "plain" else EagleSteps
     members = [n for n in dir(StepSet) if not n.startswith("_")] + list(StepSet.__annotations__)
     for name in set(members):
-        assert hasattr(cls, name) or name in ("model", "tokens_per_block", "page_size"), f"{cls.__name__} lacks {name}"
+        assert hasattr(cls, name) or name in ("model", "tokens_per_block", "page_size", "reuse_margin"), \
+            f"{cls.__name__} lacks {name}"  # (instance attributes, set by __init__)
         proto = getattr(StepSet, name, None)
         if callable(proto) and not isinstance(proto, property):
             want = [(p.name, p.default) for p in inspect.signature(proto).parameters.values()]

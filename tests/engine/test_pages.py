@@ -104,6 +104,20 @@ def test_a_whole_cached_prompt_leaves_its_last_page_to_compute():
     assert pm.refcount(pm.slot_pages(0)[1]) == 1 and pm.match(prompt + [1]) == 2 * P
 
 
+@pytest.mark.parametrize("margin,shared", [(1, 2), (P, 2), (P + 1, 1)])
+def test_a_reuse_margin_holds_back_the_pages_of_the_prefixs_last_tokens(margin, shared):
+    """A speculative engine's margin (tokens of a cached prefix computed again): a prompt shares only the
+    whole pages before them, in match and admit alike; the hit counter counts what was shared."""
+    pm = _manager(reuse_margin=margin)
+    prompt = list(range(3 * P + 1))
+    _prefill(pm, 0, prompt)
+    pm.release(0, prompt)
+    assert pm.match(prompt + [5]) == shared * P
+    assert pm.admit(1, prompt + [5]) == shared * P and pm.slot_pages(1) == pm.slot_pages(1)[:shared]
+    assert pm.stats()["prefix_hits"] == shared * P
+    pm.check()
+
+
 def test_eviction_is_lru_and_takes_leaves_first():
     evicted = []
     pm = _manager(num_pages=8, num_slots=2, max_pages=8, on_evict=lambda page, tokens: evicted.append(tokens[0]))

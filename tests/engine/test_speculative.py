@@ -41,11 +41,11 @@ def test_tree_masks_are_ancestor_sets():
     np.testing.assert_array_equal(got, want)
 
 
-def _bigram_pair(seed=0, sparse="off", max_length=MAX_LEN):
+def _bigram_pair(seed=0, sparse="off", max_length=MAX_LEN, attention_impl="xla"):
     """A target whose next token mostly follows the current one (small layers over a sharp embedding →
     lm_head path) and a draft that predicts that bigram, so trees are often accepted several levels deep."""
     cfg = ModelConfig.from_dict(tiny_minicpm_config(vocab_size=VOCAB))
-    model = MiniCPMForCausalLM(cfg, max_length=max_length, attention_impl="xla", dtype=jnp.float32,
+    model = MiniCPMForCausalLM(cfg, max_length=max_length, attention_impl=attention_impl, dtype=jnp.float32,
                                rngs=nnx.Rngs(seed), sparse=sparse)
     gd, state = nnx.split(model)
     flat = dict(nnx.to_flat_state(state))
@@ -54,8 +54,8 @@ def _bigram_pair(seed=0, sparse="off", max_length=MAX_LEN):
         scale = 60.0 if "embed_tokens" in name or "lm_head" in name else (3.0 if "layers" in name else 1.0)
         var.set_value(var[...] * scale)
     model = nnx.merge(gd, nnx.from_flat_state(flat))
-    draft = EagleDraft(DraftSpec.for_target(cfg), max_length=max_length, attention_impl="xla", dtype=jnp.float32,
-                       rngs=nnx.Rngs(seed + 1))
+    draft = EagleDraft(DraftSpec.for_target(cfg), max_length=max_length, attention_impl=attention_impl,
+                       dtype=jnp.float32, rngs=nnx.Rngs(seed + 1))
     h = cfg.hidden_size
     draft.fc.kernel.set_value(jnp.concatenate([jnp.eye(h), jnp.zeros((h, h))], axis=0) * 4.0)
     for lin in (draft.self_attn.o_proj, draft.mlp.down_proj):
@@ -303,6 +303,91 @@ def test_sparse_target_speculative_over_pages_equals_plain_sparse_greedy():
     got, stats = engine.generate(PROMPTS, max_new_tokens=100)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert stats.spec_summary()["mean_accept_length"] > 1.5 and all(len(r.token_ids) == 100 for r in want)
+
+
+def test_speculative_scheduler_shares_prefix_pages_with_its_draft():
+    """A paged speculative engine in the server's scheduler with prefix caching on: the draft's pool shares
+    the target's pages, so a prompt starting with an earlier one's 70 tokens shares the draft's pairs with
+    the target's KV (3 whole pages: the 4th holds a pair of the token after it, computed again); every
+    request gives plain greedy decoding's tokens, drafted trees are accepted, and the pool comes back whole."""
+    from minicpm_jax.engine.paging import Paging
+    from minicpm_jax.engine.scheduler import Request, Scheduler
+
+    model, draft = _bigram_pair(max_length=128)
+    rng = np.random.default_rng(5)
+    system = [int(x) for x in rng.integers(1, VOCAB, 70)]
+    prompts = [system + [int(x) for x in rng.integers(1, VOCAB, n)] for n in (3, 9, 1)]
+    engine = SpeculativeEngine(model, draft, spec=SpecConfig(num_iter=3, topk_per_iter=4, tree_size=16), batch_size=2,
+                               chunk_length=16, decode_block=2, paging=Paging(num_pages=40, page_size=16))
+    sched = Scheduler(engine, max_queue=10)
+    outputs = []
+    for i, prompt in enumerate(prompts):
+        req = Request(prompt, SamplingParams(), 30, [], lambda _: False, lambda *_: None)
+        sched.submit(req)
+        if i < 2:  # the first alone (its pages published), then two together
+            while sched.active or sched.queued:
+                sched.step()
+        outputs.append(req)
+    while sched.active or sched.queued:
+        sched.step()
+    assert [r.cached_tokens for r in outputs] == [0, 48, 48]
+    # The oracle: each request alone on a contiguous speculative engine. The tokens are plain greedy
+    # decoding's whatever the draft does; the draft shows in the rounds, which must be the same ones (a
+    # draft reading pairs that are not its own drafts other trees and accepts less).
+    alone = SpeculativeEngine(model, draft, spec=engine.spec, batch_size=1, chunk_length=16, decode_block=2)
+    want_rounds = 0
+    for req, prompt in zip(outputs, prompts):
+        (want,), stats = alone.generate([prompt], max_new_tokens=30)
+        assert req.output == want.token_ids
+        want_rounds = want_rounds + np.asarray(stats.spec_accepted)
+    got_rounds = np.asarray(engine.accept_counts())
+    np.testing.assert_array_equal(got_rounds[1:], want_rounds[1:])  # rounds that emitted 1, 2, ... tokens
+    assert (got_rounds * np.arange(len(got_rounds))).sum() > 1.5 * got_rounds[1:].sum()
+    pages = engine.books.pages
+    pages.check()
+    assert pages.stats()["pages_used"] == 0
+
+
+def test_draft_pool_holds_a_contiguous_drafts_pairs_after_a_prefix_hit():
+    """The draft's K/V through the page table, for a prompt that shared 3 cached pages and then decoded
+    into pages taken mid-generation, equal a contiguous speculative engine's draft cache for that prompt
+    alone, position for position (this bigram draft hardly attends, so its tokens and rounds would not
+    show a wrong pair)."""
+    _check_draft_pool_after_a_prefix_hit("xla")
+
+
+@pytest.mark.gpu
+def test_gpu_draft_pool_holds_a_contiguous_drafts_pairs_after_a_prefix_hit():
+    """The same with the Pallas kernels on the GPU (paged tree attention with the draft's window)."""
+    _check_draft_pool_after_a_prefix_hit("pallas")
+
+
+def _check_draft_pool_after_a_prefix_hit(attention_impl: str):
+    from minicpm_jax.engine.paging import Paging
+
+    model, draft = _bigram_pair(max_length=128, attention_impl=attention_impl)
+    rng = np.random.default_rng(6)
+    system = [int(x) for x in rng.integers(1, VOCAB, 70)]
+    first, second = system + [3, 4], system + [5, 6, 7, 8, 9]
+    spec = SpecConfig(num_iter=3, topk_per_iter=4, tree_size=16, window_size=40)  # the draft's window, too
+    paged = SpeculativeEngine(model, draft, spec=spec, batch_size=1, chunk_length=16, decode_block=2,
+                              paging=Paging(num_pages=24, page_size=16))
+    paged.generate([first], max_new_tokens=20, reuse_prefix=True)
+    (got,), _ = paged.generate([second], max_new_tokens=40, reuse_prefix=True)
+    assert paged.page_stats()["prefix_hits"] == 48  # 4 whole pages cached, the last one computed again
+    alone = SpeculativeEngine(model, draft, spec=spec, batch_size=1, chunk_length=16, decode_block=2)
+    (want,), _ = alone.generate([second], max_new_tokens=40)
+    assert got.token_ids == want.token_ids
+    # The draft read every pair but those its last round left pending (the length counts them).
+    n = int(np.asarray(paged.steps.dcache.lengths)[0] - np.asarray(paged.steps.rounds.pend_n)[0])
+    assert n == int(np.asarray(alone.steps.dcache.lengths)[0] - np.asarray(alone.steps.rounds.pend_n)[0])
+    assert n > len(second) + 16  # past the prompt's pages, into pages taken while decoding
+    positions = jnp.arange(n, dtype=jnp.int32)[None, :]
+    for name in ("k", "v"):
+        pool = dataclasses.replace(paged.steps.dcache, k=getattr(paged.steps.dcache, name))
+        got_kv = np.asarray(pool.keys_at(0, positions))[0]  # [n, KVH, D]
+        want_kv = np.asarray(getattr(alone.steps.dcache, name))[0, 0, :, :n].transpose(1, 0, 2)
+        np.testing.assert_allclose(got_kv, want_kv, rtol=1e-5, atol=1e-5)
 
 
 def test_sparse_tree_deeper_than_the_exact_limit_is_refused():

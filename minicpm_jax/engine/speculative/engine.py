@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from minicpm_jax.engine.engine import Engine, split_over
+from minicpm_jax.engine.engine import Engine, set_lengths, split_over
 from minicpm_jax.engine.paging import Paging
 from minicpm_jax.engine.speculative.rounds import (
     AcceptRule,
@@ -33,6 +33,7 @@ from minicpm_jax.infllm.policy import tree_depth_limit
 from minicpm_jax.model.cache import KVCache
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
 from minicpm_jax.model.draft import EagleDraft
+from minicpm_jax.model.paged_cache import PagedKVCache
 from minicpm_jax.model.parallel import REPLICATED, replicate, spmd
 
 
@@ -47,22 +48,24 @@ class EagleSteps:
         or None. batch_size: the engine's slots. decode_block: rounds per block.
       accept: the acceptance rule of the rounds (default :func:`~minicpm_jax.engine.speculative.rounds.match_target`,
         the target's tokens).
-      page_size: the target's cache is paged with pages of this size (None: contiguous); the draft's cache
-        is contiguous either way.
+      page_size, num_pages: the target's cache is a paged pool of ``num_pages`` pages of ``page_size``
+        positions (None: contiguous); the draft's cache is then a one-layer pool of the same pages, viewed
+        through the target's page table, so a page shared by prefix brings the draft's pairs too (pair
+        ``t = (feature_t, token_{t+1})`` sits at position ``t``: a page's last pair depends on the token
+        after it, and the last round's pairs wait unread: a prompt computes the last page of a cached prefix
+        again, ``reuse_margin``).
     Sparse (InfLLM-v2) targets verify each tree node as plain sparse decoding of its path would, and extend
     the compressed keys by the accepted tokens (trees at most
     :func:`~minicpm_jax.infllm.policy.tree_depth_limit` deep). With a target split over a mesh the draft,
     its cache and the FR-Spec head are replicated on every device.
     """
 
-    # The draft needs the target feature of the last reused position, which the tail prefill recomputes.
-    reuse_margin = 1
     has_logprobs = False  # a round's tokens come from several nodes' logits; none are reported
     decodes_rows = False  # a subset of rows would copy the draft's contiguous cache rows
 
     def __init__(self, model: MiniCPMForCausalLM, draft: EagleDraft, *, spec: SpecConfig = SpecConfig(),
                  frspec_ids: np.ndarray | None = None, batch_size: int = 1, decode_block: int = 4,
-                 accept: AcceptRule = match_target, page_size: int | None = None):
+                 accept: AcceptRule = match_target, page_size: int | None = None, num_pages: int | None = None):
         if draft.spec.layer.hidden_size != model.config.hidden_size or draft.spec.layer.vocab_size != model.config.vocab_size:
             raise MiniCPMError("the draft's hidden size / vocabulary do not match the target's")
         self.spec = spec.check()
@@ -80,7 +83,14 @@ class EagleSteps:
                 f"spec_num_iter {spec.num_iter} is deeper than sparse attention verifies exactly with this sparse_config "
                 f"(at most {tree_depth_limit(model.sparse)}: shorter than the coarse stride, inside the local window)")
         self.model, self.draft = model, draft
-        self.page_size = page_size
+        self.page_size, self.num_pages = page_size, num_pages
+        # Tokens of a reused prefix computed again: the draft holds the pairs of all but its last positions
+        # (up to max_accept - 1 pairs of the last round wait unread, and the pair of the last reused
+        # position needs the token after it).
+        self.reuse_margin = self.spec.max_accept
+        if page_size is not None and self.reuse_margin > page_size:
+            raise MiniCPMError(f"speculative rounds of up to {self.spec.max_accept} tokens need pages of at least as "
+                               f"many tokens, got {page_size}")
         mesh = model.mesh
         self.graphdef, self.state = nnx.split(model)
         self.dgraph, self.dstate = nnx.split(draft)
@@ -91,7 +101,7 @@ class EagleSteps:
         self.head = None if frspec_ids is None else replicate(mesh, model.head_rows(self.ids))
         self.batch_size = batch_size
         self.tokens_per_block = decode_block * spec.max_accept
-        self.dcache = draft.new_cache(batch_size, model.max_length + spec.draft_slots + spec.max_accept)
+        self.dcache = self._new_draft_cache()
         self.last_feat = jnp.zeros((batch_size, draft.spec.feature_size), model.dtype)
         self.rounds: SpecState | None = None  # the state carried between decode blocks
         g, dg = self.graphdef, self.dgraph
@@ -122,13 +132,27 @@ class EagleSteps:
         step left it donated) and those slots' pending pairs (a slot reused mid-batch must not replay its
         last owner's)."""
         if rows is None and self.dcache.is_deleted():
-            self.dcache = self.draft.new_cache(self.batch_size, self.dcache.max_length)
+            self.dcache = self._new_draft_cache()
         else:
             self.dcache = self.dcache.reset(None if rows is None else jnp.asarray(rows))
         if self.rounds is not None:
             keep = jnp.zeros(self.batch_size, bool) if rows is None else ~jnp.asarray(rows)
             self.rounds = dataclasses.replace(self.rounds, dcache=self.dcache,
                                               pend_n=jnp.where(keep, self.rounds.pend_n, 0))
+
+    def _new_draft_cache(self) -> KVCache | PagedKVCache:
+        """An empty draft cache: a row of the target's length plus a tree's slots per slot, or a paged pool
+        beside the target's."""
+        if self.page_size is None:
+            return self.draft.new_cache(self.batch_size, self.model.max_length + self.spec.draft_slots +
+                                        self.spec.max_accept)
+        return self.draft.new_paged_cache(num_pages=self.num_pages, page_size=self.page_size,
+                                          batch_size=self.batch_size, max_length=self.model.max_length)
+
+    def admitted(self, slot: int, length: int) -> None:
+        """``slot`` shares a cached prefix of ``length`` tokens: the draft's pairs before it are in the shared
+        pages (the pair of its last position too: the prefix cache keeps ``reuse_margin`` back)."""
+        self.dcache = self.dcache.with_lengths(set_lengths(self.dcache.lengths, np.int32(slot), np.int32(length)))
 
     def truncate(self, lengths: Sequence[int]) -> None:
         # Draft pair t = (f_t, x_{t+1}) is valid while x_{t+1} is cached; the tail prefill restarts at the
@@ -219,7 +243,8 @@ class SpeculativeEngine(Engine):
                  decode_block: int = 4, mesh: Mesh | None = None, scratch_rows: int = 1, paging: Paging | None = None):
         model = split_over(model, mesh)
         steps = EagleSteps(model, draft, spec=spec, frspec_ids=frspec_ids, batch_size=batch_size,
-                           decode_block=decode_block, page_size=None if paging is None else paging.page_size)
+                           decode_block=decode_block, page_size=None if paging is None else paging.page_size,
+                           num_pages=None if paging is None else paging.num_pages)
         super().__init__(model, batch_size=batch_size, chunk_length=chunk_length, decode_block=decode_block,
                          steps=steps, scratch_rows=scratch_rows, paging=paging)
 

@@ -119,14 +119,17 @@ def target_forward(model: MiniCPMForCausalLM, draft: EagleDraft, tokens, cache, 
 
 
 def catch_up(model, draft: EagleDraft, st: SpecState, window: int | None):
-    """The draft reads the pending pairs; returns (hidden of each row's last pair ``[B, H]``, draft cache)."""
+    """The draft reads the pending pairs; returns (hidden of each row's last pair ``[B, H]``, draft cache).
+
+    The pairs run as tree tokens (a causal mask, the draft's window), committed: a paged pool stores them in
+    its pages as well as in the scratch region the tree attention reads."""
     b, a = st.pend_tok.shape
     prefix = st.dcache.lengths
     j = jnp.arange(a, dtype=jnp.int32)
     valid = j[None, :] < st.pend_n[:, None]
     mask = (j[None, :, None] >= j[None, None, :]) & valid[:, None, :]
     h, dcache = draft(model.embed(st.pend_tok), st.pend_feat, prefix[:, None] + j[None, :], valid, st.dcache,
-                      TreeInputs(prefix, mask, 0, window))
+                      TreeInputs(prefix, mask, 0, window, committed=True))
     dcache = dataclasses.replace(dcache, lengths=prefix + st.pend_n)
     last = jnp.take_along_axis(h, jnp.maximum(st.pend_n - 1, 0)[:, None, None], axis=1)[:, 0]
     return last, dcache
@@ -286,6 +289,7 @@ def spec_block(graphdef, state, dstate, head, ids, cache, ds, st, *, dgraph, rou
     model, draft = nnx.merge(graphdef, state), nnx.merge(dgraph, dstate)
     a = spec.max_accept
     out = jnp.full((ds.tok.shape[0], rounds * a), -1, jnp.int32)
+    st = dataclasses.replace(st, dcache=st.dcache.with_pages_of(cache))  # a paged draft pool: the target's pages
 
     def body(carry):
         i, cache, ds, st, out = carry
@@ -305,6 +309,7 @@ def spec_prefill_chunk(graphdef, state, dstate, cache, dcache, tokens, next_toke
     Keeps each row's last-token logits and final feature (the feature of the pair the root completes)."""
     model, draft = nnx.merge(graphdef, state), nnx.merge(dgraph, dstate)
     hidden, features, cache = target_forward(model, draft, tokens, cache, num_valid, mode=mode)
+    dcache = dcache.with_pages_of(cache)  # a paged draft pool: the target's pages
     c = tokens.shape[1]
     positions = dcache.lengths[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
     valid = jnp.arange(c)[None, :] < draft_valid[:, None]
@@ -325,7 +330,8 @@ def spec_prefill_rows(graphdef, state, dstate, cache, dcache, idx, tokens, next_
     b, batch = idx.shape[0], cache.lengths.shape[0]
     vocab = nnx.merge(graphdef, state).config.vocab_size
     rows, drows, logits, feat = spec_prefill_chunk(
-        graphdef, state, dstate, cache.take_rows(idx), dcache.take_rows(idx), tokens, next_tokens, num_valid,
+        graphdef, state, dstate, cache.take_rows(idx), dcache.with_pages_of(cache).take_rows(idx), tokens,
+        next_tokens, num_valid,
         draft_valid, jnp.zeros((b, vocab), jnp.float32), last_feat[idx], dgraph=dgraph, mode=mode)
     full = jnp.zeros((batch, vocab), jnp.float32).at[idx].set(logits)
     return cache.put_rows(idx, rows), dcache.put_rows(idx, drows), full, last_feat.at[idx].set(feat)
