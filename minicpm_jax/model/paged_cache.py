@@ -27,8 +27,10 @@ import jax
 import jax.numpy as jnp
 
 from minicpm_jax.config import ModelConfig, SparseConfig
+from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.cache import TreeInputs, cleared_lengths
 from pallas_kernels.infllm.common import Geometry
+from pallas_kernels.infllm.paged import check_paged_geometry
 
 # A row's tree scratch region holds a whole tree (MAX_TREE_NODES of pallas_kernels.tree_attention).
 TREE_SLOTS = 64
@@ -76,9 +78,6 @@ class PagedKVCache:
     def check_sparse(sparse: SparseConfig, page_size: int) -> None:
         """MiniCPMError unless InfLLM-v2's geometry maps onto pages of ``page_size`` tokens (a page is one
         attended block; whole compressed entries per page)."""
-        from minicpm_jax.errors import MiniCPMError
-        from pallas_kernels.infllm.paged import check_paged_geometry
-
         try:
             check_paged_geometry(page_size, block_size=sparse.block_size, stride1=sparse.kernel_stride,
                                  stride2=sparse.kernel_stride2)

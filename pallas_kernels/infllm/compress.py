@@ -22,6 +22,25 @@ from pallas_kernels.infllm.common import SPARSE_CONFIG, compressed_count
 from pallas_kernels.launch import launch_options
 
 
+def completed_window_means(keys_at, old_lengths: jax.Array, new_lengths: jax.Array, *, kernel: int, stride: int,
+                           capacity: int, max_tokens: int, unrotate, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The windows completed by growing each row from ``old_lengths`` to ``new_lengths`` (``int32[B]``, at
+    most ``max_tokens`` apart): ``(j int32[B, n], completed bool[B, n], means [B, n, KVH, D])``, window
+    ``j`` averaged in fp32 and cast to ``dtype`` (rows of ``j`` past ``completed`` are not windows yet).
+    keys_at: ``f(positions int32[B, n, kernel]) -> keys [B, n, kernel, KVH, D]`` (positions clamped below
+    ``capacity``), the cache layout's read; unrotate as in :func:`compress_windows_reference`."""
+    n_new = -(-max_tokens // stride)  # windows completed by max_tokens new keys, at most
+    first = compressed_count(old_lengths, kernel=kernel, stride=stride)
+    last = compressed_count(new_lengths, kernel=kernel, stride=stride)
+    j = first[:, None] + jnp.arange(n_new, dtype=jnp.int32)[None, :]  # [B, n]
+    key_pos = jnp.minimum(j[..., None] * stride + jnp.arange(kernel, dtype=jnp.int32), capacity - 1)
+    keys = keys_at(key_pos)
+    if unrotate is not None:
+        shape = keys.shape
+        keys = unrotate(keys.reshape(shape[0], -1, *shape[3:]), key_pos.reshape(shape[0], -1)).reshape(shape)
+    return j, j < last[:, None], jnp.mean(keys.astype(jnp.float32), axis=2).astype(dtype)
+
+
 def compress_windows_reference(
     k: jax.Array, k1: jax.Array, k2: jax.Array, old_lengths: jax.Array, new_lengths: jax.Array, *, layer: int,
     kernel1: int, stride1: int, kernel2: int, stride2: int, max_tokens: int, unrotate=None,
@@ -31,21 +50,13 @@ def compress_windows_reference(
 
     unrotate: None, or ``f(keys [B, N, KVH, D], positions int32[B, N]) -> keys`` undoing RoPE (InfLLM-v2's
     ``use_nope`` compresses pre-RoPE keys). Returns the updated (k1, k2)."""
-    b, s = k.shape[1], k.shape[3]
-    rows = jnp.arange(b)[:, None]
+    rows = jnp.arange(k.shape[1])[:, None]
     out = []
     for comp, kernel, stride in ((k1, kernel1, stride1), (k2, kernel2, stride2)):
-        n_new = -(-max_tokens // stride)  # windows completed by max_tokens new keys, at most
-        first = compressed_count(old_lengths, kernel=kernel, stride=stride)
-        last = compressed_count(new_lengths, kernel=kernel, stride=stride)
-        j = first[:, None] + jnp.arange(n_new, dtype=jnp.int32)[None, :]  # [B, n]
-        key_pos = jnp.minimum(j[..., None] * stride + jnp.arange(kernel, dtype=jnp.int32), s - 1)
-        keys = k[layer, rows[:, :, None], :, key_pos]  # [B, n, kernel, KVH, D]
-        if unrotate is not None:
-            shape = keys.shape
-            keys = unrotate(keys.reshape(b, -1, *shape[3:]), key_pos.reshape(b, -1)).reshape(shape)
-        means = jnp.mean(keys.astype(jnp.float32), axis=2).astype(comp.dtype)  # [B, n, KVH, D]
-        slot = jnp.where(j < last[:, None], j, comp.shape[3])  # out of range -> dropped
+        j, done, means = completed_window_means(
+            lambda pos: k[layer, rows[:, :, None], :, pos], old_lengths, new_lengths, kernel=kernel, stride=stride,
+            capacity=k.shape[3], max_tokens=max_tokens, unrotate=unrotate, dtype=comp.dtype)
+        slot = jnp.where(done, j, comp.shape[3])  # out of range -> dropped
         out.append(comp.at[layer, rows, :, slot].set(means, mode="drop"))
     return out[0], out[1]
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.infllm.common import compressed_count, compressed_entries
+from pallas_kernels.infllm.common import compressed_entries
+from pallas_kernels.infllm.compress import completed_window_means
 from pallas_kernels.infllm.stage1 import compressed_scores_reference
 from pallas_kernels.infllm.stage2 import block_sparse_attention_reference
 from pallas_kernels.launch import is_power_of_2
@@ -69,23 +70,17 @@ def paged_compress_windows_reference(
     completed by growing each row from ``old_lengths`` to ``new_lengths`` (at most ``max_tokens`` apart)
     averaged from keys read through the page table, stored in the pages their last keys are in. Returns the
     updated (k1_pages, k2_pages)."""
-    capacity = page_table.shape[1] * page_size
+    def keys_at(pos):  # [B, n, kernel] -> [B, n, kernel, KVH, D], through the page table
+        return jnp.moveaxis(k_pages[layer][:, key_slots(page_table, pos, page_size)], 0, 3)
+
     out = []
     for comp, kernel, stride in ((k1_pages, kernel1, stride1), (k2_pages, kernel2, stride2)):
-        n_new = -(-max_tokens // stride)  # windows completed by max_tokens new keys, at most
-        first = compressed_count(old_lengths, kernel=kernel, stride=stride)
-        last = compressed_count(new_lengths, kernel=kernel, stride=stride)
-        j = first[:, None] + jnp.arange(n_new, dtype=jnp.int32)[None, :]  # [B, n]
-        key_pos = jnp.minimum(j[..., None] * stride + jnp.arange(kernel, dtype=jnp.int32), capacity - 1)
-        slots = key_slots(page_table, key_pos, page_size)
-        keys = jnp.moveaxis(k_pages[layer][:, slots], 0, 3)  # [B, n, kernel, KVH, D]
-        if unrotate is not None:
-            shape = keys.shape
-            keys = unrotate(keys.reshape(shape[0], -1, *shape[3:]), key_pos.reshape(shape[0], -1)).reshape(shape)
-        means = jnp.mean(keys.astype(jnp.float32), axis=2).astype(comp.dtype)  # [B, n, KVH, D]
+        j, done, means = completed_window_means(
+            keys_at, old_lengths, new_lengths, kernel=kernel, stride=stride, capacity=page_table.shape[1] * page_size,
+            max_tokens=max_tokens, unrotate=unrotate, dtype=comp.dtype)
         end = j * stride + (kernel - 1)
         row = key_slots(page_table, end, page_size) // stride  # the entry's row: page * (page_size/stride) + ...
-        row = jnp.where(j < last[:, None], row, comp.shape[2])  # not completed -> dropped
+        row = jnp.where(done, row, comp.shape[2])  # not completed -> dropped
         out.append(comp.at[layer, :, row].set(means, mode="drop"))
     return out[0], out[1]
 

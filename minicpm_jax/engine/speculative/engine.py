@@ -61,7 +61,9 @@ class EagleSteps:
     """
 
     has_logprobs = False  # a round's tokens come from several nodes' logits; none are reported
-    decodes_rows = False  # a subset of rows would copy the draft's contiguous cache rows
+    # Rounds run every slot: a subset of rows would copy a contiguous draft cache's rows (over pages taking
+    # rows is free; not done yet).
+    decodes_rows = False
 
     def __init__(self, model: MiniCPMForCausalLM, draft: EagleDraft, *, spec: SpecConfig = SpecConfig(),
                  frspec_ids: np.ndarray | None = None, batch_size: int = 1, decode_block: int = 4,

@@ -330,8 +330,7 @@ def spec_prefill_rows(graphdef, state, dstate, cache, dcache, idx, tokens, next_
     b, batch = idx.shape[0], cache.lengths.shape[0]
     vocab = nnx.merge(graphdef, state).config.vocab_size
     rows, drows, logits, feat = spec_prefill_chunk(
-        graphdef, state, dstate, cache.take_rows(idx), dcache.with_pages_of(cache).take_rows(idx), tokens,
-        next_tokens, num_valid,
+        graphdef, state, dstate, cache.take_rows(idx), dcache.take_rows(idx), tokens, next_tokens, num_valid,
         draft_valid, jnp.zeros((b, vocab), jnp.float32), last_feat[idx], dgraph=dgraph, mode=mode)
     full = jnp.zeros((batch, vocab), jnp.float32).at[idx].set(logits)
     return cache.put_rows(idx, rows), dcache.put_rows(idx, drows), full, last_feat.at[idx].set(feat)
