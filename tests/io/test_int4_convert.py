@@ -63,15 +63,24 @@ def gptq_dir(smollm2_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def perplexities(smollm2_dir, rtn_dir, gptq_dir, eval_ids):
-    return {name: perplexity(_load(path), eval_ids, context=CONTEXT)
-            for name, path in (("dense", smollm2_dir), ("rtn", rtn_dir), ("gptq", gptq_dir))}
+def dense_nll(smollm2_dir, eval_ids):
+    """(total, count) of the dense model over the eval windows, in 256-token chunks: checked against
+    transformers below, and the dense perplexity of the quality test (one dense pass for both)."""
+    return negative_log_likelihood(_load(smollm2_dir), eval_ids, context=CONTEXT, chunk_length=256)
+
+
+@pytest.fixture(scope="module")
+def perplexities(dense_nll, rtn_dir, gptq_dir, eval_ids):
+    total, count = dense_nll
+    return {"dense": math.exp(total / count),
+            **{name: perplexity(_load(path), eval_ids, context=CONTEXT) for name, path in (("rtn", rtn_dir),
+                                                                                          ("gptq", gptq_dir))}}
 
 
 @pytest.mark.smollm2
-def test_perplexity_matches_transformers(smollm2_dir, hf_smollm2, eval_ids):
+def test_perplexity_matches_transformers(dense_nll, hf_smollm2, eval_ids):
     """Our NLL over the eval windows equals transformers' on the same GGUF weights (the ppl oracle)."""
-    total, count = negative_log_likelihood(_load(smollm2_dir), eval_ids, context=CONTEXT, chunk_length=256)
+    total, count = dense_nll
     ref_total, ref_count = 0.0, 0
     for start in range(0, len(eval_ids) - 1, CONTEXT):
         window = torch.tensor([eval_ids[start : start + CONTEXT]])
