@@ -129,9 +129,12 @@ def hf_llama_with_minicpm_folded(cfg: dict, w: dict[str, np.ndarray]):
 
 # ----------------------------------------------------------------------------- InfLLM-v2
 def np_compress(k: np.ndarray, kernel: int, stride: int) -> np.ndarray:
-    """``k [S, D]`` → means of every complete window ``[stride*j, stride*j + kernel)``."""
-    n = (len(k) - kernel) // stride + 1 if len(k) >= kernel else 0
-    return np.stack([k[stride * j: stride * j + kernel].mean(0) for j in range(n)]) if n else np.zeros((0, k.shape[1]))
+    """``k [..., S, D]`` → means of every complete window ``[stride*j, stride*j + kernel)`` along S."""
+    s = k.shape[-2]
+    n = (s - kernel) // stride + 1 if s >= kernel else 0
+    if not n:
+        return np.zeros((*k.shape[:-2], 0, k.shape[-1]))
+    return np.stack([k[..., stride * j: stride * j + kernel, :].mean(-2) for j in range(n)], axis=-2)
 
 
 # ----------------------------------------------------------------------------- GPTQ int4 formats
