@@ -124,18 +124,18 @@ def test_compressed_caches_extend_exactly_over_a_300_token_decode():
 def test_sparse_equals_dense_below_dense_len_and_when_topk_covers_every_block():
     ids = _ids(100)
     dense = _model(sparse="off")
-    want, _, _ = dense(ids, dense.new_cache(1))
+    want, _, _ = _forward(dense, dense.new_cache(1), ids)
     # (1) context below dense_len: the dense path
     below = _model(sparse=dataclasses.replace(SMALL, dense_len=101))
-    got, _, _ = below(ids, below.new_cache(1))
+    got, _, _ = _forward(below, below.new_cache(1), ids)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
     # (2) sparse from token 32 on, but topk covers all 13 blocks
     covered = _model(sparse=dataclasses.replace(SMALL, topk=16))
-    got, _, cache = covered(ids, covered.new_cache(1))
+    got, _, cache = _forward(covered, covered.new_cache(1), ids)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
     # (3) the real selection (5 of up to 13 blocks) differs past position 5*8 = 40
     sparse = _model()
-    got, _, _ = sparse(ids, sparse.new_cache(1))
+    got, _, _ = _forward(sparse, sparse.new_cache(1), ids)
     np.testing.assert_allclose(np.asarray(got[:, :40]), np.asarray(want[:, :40]), atol=1e-5)
     assert float(jnp.max(jnp.abs(got[:, 48:] - want[:, 48:]))) > 1e-3
 
@@ -165,7 +165,7 @@ def test_use_nope_selects_on_pre_rope_keys():
     """With use_nope the compressed caches hold means of pre-RoPE keys (recovered by rotating back)."""
     model = _model(sparse=dataclasses.replace(SMALL, use_nope=True))
     ids = _ids(60, seed=6)
-    _, _, cache = model(ids, model.new_cache(1))
+    a, _, cache = _forward(model, model.new_cache(1), ids)
     attn = model.model.layers[0].self_attn
     cfg = model.config
     x = model.model.layers[0].input_layernorm(
@@ -176,8 +176,7 @@ def test_use_nope_selects_on_pre_rope_keys():
         want = np_compress(k_nope[:, g], SMALL.kernel_size, SMALL.kernel_stride)
         np.testing.assert_allclose(np.asarray(cache.k1[0, 0, g, : len(want)]), want, rtol=1e-4, atol=1e-5)
     dense = _model(sparse="off")
-    a, _, _ = model(ids, model.new_cache(1))
-    b, _, _ = dense(ids, dense.new_cache(1))
+    b, _, _ = _forward(dense, dense.new_cache(1), ids)
     assert float(jnp.max(jnp.abs(a[:, 48:] - b[:, 48:]))) > 1e-3  # sparse from 32, selection differs
 
 
