@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.shapes import SHAPES, decode_weight_bytes, prefill_flops_per_token, random_model
-from benchmarks.timing import kernel_seconds
+from benchmarks.timing import gpu_timeline, kernel_seconds
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.engine.engine import Engine
 from minicpm_jax.engine.paging import DEFAULT_PAGE_SIZE, Paging
@@ -54,6 +54,7 @@ class Row:
     kernel_ms_per_step: float | None = None  # profiled GPU kernel time per decode step (one device), all kernels
     top_kernels_us_per_step: dict | None = None  # the profile's longest kernels (one device), µs per decode step
     kv_cache: str = "contiguous"  # or "paged": the server's pool of pages
+    gpu_timeline_per_step: dict | None = None  # profiled, one device: span / busy / gaps ms and launches a step
 
     @property
     def decode_ms(self) -> float:
@@ -75,21 +76,42 @@ def decode_hlo(engine: Engine, mode: str = "dense") -> str:
 COLLECTIVE_KERNEL = re.compile(r"nccl|all_?reduce|allreduce|all-reduce|psum|all_?gather|collective", re.IGNORECASE)
 
 
-def profiled_seconds(engine: Engine, prompts, decode_steps: int) -> dict[str, float] | None:
-    """GPU kernel seconds by kernel of one ``generate`` call (prefill of ``prompts`` + ``decode_steps``
-    tokens) on the first device, from a ``jax.profiler`` trace; None without GPU kernels in the trace."""
-    engine.generate(prompts, max_new_tokens=2)
+def _profile(engine: Engine, prompts, new_tokens: int):
+    """The planes of a ``jax.profiler`` trace of one ``generate`` call, or None without a trace file."""
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         try:
-            engine.generate(prompts, max_new_tokens=decode_steps)
+            engine.generate(prompts, max_new_tokens=new_tokens)
         finally:
             jax.profiler.stop_trace()
         files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        if not files:
-            return None
-        per_kernel = kernel_seconds(jax.profiler.ProfileData.from_file(files[0]).planes, device=0)
-    return per_kernel or None
+        # a list: ``planes`` is an iterator, and both the kernel sums and the timeline read it
+        return list(jax.profiler.ProfileData.from_file(files[0]).planes) if files else None
+
+
+def profiled_decode(engine: Engine, prompts, decode_steps: int) -> dict | None:
+    """Per decode step on the first device, from two profiled ``generate`` calls (``PROFILE_BASE`` and
+    ``PROFILE_BASE + decode_steps`` tokens; their difference drops the prefill and the first steps):
+    ``kernels`` seconds by kernel name, and the timeline's ``span_s`` (first kernel start to last kernel
+    end), ``busy_s`` (union of kernel intervals), ``gaps_s`` / ``gaps`` (idle stretches over 3 µs),
+    ``launches``. None without GPU kernels in the traces (the CPU)."""
+    engine.generate(prompts, max_new_tokens=2)
+    short, long = (_profile(engine, prompts, PROFILE_BASE + n) for n in (0, decode_steps))
+    if short is None or long is None:
+        return None
+    k_short, k_long = kernel_seconds(short, device=0), kernel_seconds(long, device=0)
+    if not k_long:
+        return None
+    t_short, t_long = gpu_timeline(short, 0), gpu_timeline(long, 0)
+    per = {k: (t - k_short.get(k, 0.0)) / decode_steps for k, t in k_long.items()}
+    out = {"kernels": {k: v for k, v in per.items() if v > 0}}
+    for key in ("span_s", "busy_s", "gaps_s", "gaps"):
+        out[key] = (t_long[key] - t_short[key]) / decode_steps
+    out["launches"] = (t_long["kernels"] - t_short["kernels"]) / decode_steps
+    return out
+
+
+PROFILE_BASE = 8  # tokens of the shorter profiled call
 
 
 def bench_end_to_end(shape: str, contexts: list[int], batch_size: int, decode_steps: int, decode_block: int,
@@ -144,21 +166,24 @@ def bench_end_to_end(shape: str, contexts: list[int], batch_size: int, decode_st
         roofline_ms = 1e3 * (wbytes + kv_bytes) / bandwidth
         prefill_roof = tp.size * flops / prefill_flops_per_token(config, ctx)
         stats = jax.devices()[0].memory_stats() or {}
-        allreduce = kernels = top = None
+        allreduce = kernels = top = timeline = None
         if profile_collectives:
-            per_kernel = profiled_seconds(engine, prompts, decode_steps)
-            if per_kernel is not None:  # prefill's kernels are a small share at these lengths; counted in
-                steps = decode_steps - 1
+            prof = profiled_decode(engine, prompts, decode_steps)
+            if prof is not None:
+                per_kernel = prof["kernels"]
                 # 2 per layer (o_proj, down_proj) + the embedding; the logits' gather is counted in too.
                 comm = sum(t for name, t in per_kernel.items() if COLLECTIVE_KERNEL.search(name))
-                allreduce = 1e6 * comm / steps / config.num_layers if tp.size > 1 else None
-                kernels = 1e3 * sum(per_kernel.values()) / steps
-                top = {k: 1e6 * t / steps for k, t in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:60]}
+                allreduce = 1e6 * comm / config.num_layers if tp.size > 1 else None
+                kernels = 1e3 * sum(per_kernel.values())
+                top = {k: 1e6 * t for k, t in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:60]}
+                timeline = {k: (1e3 * v if k.endswith("_s") else v) for k, v in prof.items() if k != "kernels"}
                 print("  longest kernels, us/step: " + "; ".join(f"{k[:60]} {v:.0f}" for k, v in list(top.items())[:15]),
+                      file=sys.stderr)
+                print("  GPU 0 per step: " + ", ".join(f"{k.replace('_s', ' ms')} {v:.3f}" for k, v in timeline.items()),
                       file=sys.stderr)
         rows.append(Row(shape, impl, qname, ctx, batch_size, max_length, pre, dec, roofline_ms, prefill_roof, sparse,
                         cache_bytes, stats.get("peak_bytes_in_use"), tp.size, mesh is not None, allreduce, kernels,
-                        top, kv_cache))
+                        top, kv_cache, timeline))
         print(f"  {shape} {impl} {qname} sparse={sparse} tp={tp.size}{' spmd' if mesh is not None else ''} "
               f"kv={kv_cache} ctx={ctx}: "
               f"decode {dec} ms/token (roofline {roofline_ms:.3f} ms), prefill {pre} tok/s"
@@ -225,6 +250,9 @@ def markdown(rows: list[Row], bandwidth: float, flops: float, device: str, peer:
         collectives = "n/a" if r.allreduce_us_per_layer is None else f"{r.allreduce_us_per_layer:.1f}"
         if r.kernel_ms_per_step is not None:
             collectives += f" (kernels {r.kernel_ms_per_step:.2f} ms/step)"
+        if r.gpu_timeline_per_step:
+            t = r.gpu_timeline_per_step
+            collectives += f" (GPU 0 busy {t['busy_s']:.2f} of {t['span_s']:.2f} ms/step, {t['launches']:.0f} kernels)"
         tp = f"{r.tensor_parallel}{' (spmd)' if r.spmd and r.tensor_parallel == 1 else ''}"
         peak = "n/a" if r.peak_bytes is None else f"{r.peak_bytes / 1e9:.1f}"
         line = (f"| {r.shape} | {r.attention_impl} | {r.quant} | {r.sparse} | {tp} | {r.kv_cache} | {r.batch_size} | "

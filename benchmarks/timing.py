@@ -120,3 +120,35 @@ def kernel_seconds(planes, device: int | None = None) -> dict[str, float]:
                 name = re.sub(r"__\d+$", "", event.name)
                 out[name] = out.get(name, 0.0) + event.duration_ns * 1e-9
     return out
+
+
+def gpu_timeline(planes, device: int = 0, gap_ns: int = 3000) -> dict[str, float]:
+    """Where one GPU's time went in a profile (``ProfileData.planes``): ``span_s`` from its first kernel's
+    start to its last kernel's end, ``busy_s`` the union of its kernels' intervals (overlapping streams
+    counted once), ``kernels`` the launches, and ``gaps_s`` / ``gaps`` the idle stretches longer than
+    ``gap_ns`` (host launches the device waits for, host round trips). Zeros without kernels."""
+    spans = []
+    for plane in planes:
+        if not plane.name.startswith(f"/device:GPU:{device}"):
+            continue
+        for line in plane.lines:
+            if "Stream" in line.name:
+                spans += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events]
+    if not spans:
+        return {"span_s": 0.0, "busy_s": 0.0, "kernels": 0, "gaps_s": 0.0, "gaps": 0}
+    spans.sort()
+    busy = gaps = 0.0
+    n_gaps = 0
+    lo, hi = spans[0]
+    for s, e in spans[1:]:
+        if s > hi:
+            busy += hi - lo
+            if s - hi > gap_ns:
+                gaps += s - hi
+                n_gaps += 1
+            lo, hi = s, e
+        else:
+            hi = max(hi, e)
+    busy += hi - lo
+    return {"span_s": (hi - spans[0][0]) * 1e-9, "busy_s": busy * 1e-9, "kernels": len(spans),
+            "gaps_s": gaps * 1e-9, "gaps": n_gaps}

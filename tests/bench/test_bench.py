@@ -18,7 +18,7 @@ from flax import nnx
 
 from benchmarks.spec import oracle_accept
 from benchmarks.timing import (
-    carried_loop, carried_loop_time, device_loop, device_loop_time, kernel_seconds, loop_kernel_time,
+    carried_loop, carried_loop_time, device_loop, device_loop_time, gpu_timeline, kernel_seconds, loop_kernel_time,
 )
 from minicpm_jax.config import DraftSpec, ModelConfig
 from minicpm_jax.engine.engine import Engine
@@ -90,6 +90,26 @@ def test_kernel_seconds_sums_gpu_stream_events_by_kernel():
     assert kernel_seconds(planes) == pytest.approx({"decode_attention": 12e-6, "input_reduce_fusion_2": 1e-6})
     args = (jnp.linspace(0, 1, 64), jnp.zeros((), jnp.int32))
     assert loop_kernel_time(device_loop(lambda x, n: jnp.sin(x + n), args, iters=2), args, iters=2) is None
+
+
+def test_gpu_timeline_merges_streams_and_counts_idle_gaps():
+    """One GPU's kernels on two streams (overlaps counted once), its op view and other GPUs ignored; a
+    1 µs gap is not idle, a 5 µs one is (both with the 3 µs default threshold). Worked by hand:
+    [0, 10) ∪ [4, 12) on two streams, then [13, 20) holding [14, 16), then [25, 30): span 30, busy
+    12 + 7 + 5 = 24 µs."""
+    ev = lambda start, dur: SimpleNamespace(name="k", start_ns=start * 1000, duration_ns=dur * 1000)  # noqa: E731
+    line = lambda name, *events: SimpleNamespace(name=name, events=list(events))  # noqa: E731
+    planes = [
+        SimpleNamespace(name="/device:GPU:0", lines=[
+            line("Stream #13(Compute)", ev(0, 10), ev(13, 7)), line("Stream #14(Compute)", ev(4, 8), ev(14, 2), ev(25, 5)),
+            line("XLA Ops", ev(0, 100))]),
+        SimpleNamespace(name="/device:GPU:1", lines=[line("Stream #13(Compute)", ev(50, 100))]),
+    ]
+    t = gpu_timeline(planes, device=0)
+    assert t["span_s"] == pytest.approx(30e-6) and t["busy_s"] == pytest.approx(24e-6)
+    assert t["kernels"] == 5 and t["gaps"] == 1 and t["gaps_s"] == pytest.approx(5e-6)
+    assert gpu_timeline(planes, device=1)["busy_s"] == pytest.approx(100e-6)
+    assert gpu_timeline(planes, device=2) == {"span_s": 0.0, "busy_s": 0.0, "kernels": 0, "gaps_s": 0.0, "gaps": 0}
 
 
 def test_bench_smoke_on_cpu(tmp_path):
