@@ -115,6 +115,7 @@ flags.DEFINE_list("kv_caches", ["contiguous"], "e2e: KV cache layouts to run (co
 flags.DEFINE_integer("batch_size", 1, "Sequences decoded together.")
 flags.DEFINE_integer("decode_steps", 128, "Tokens decoded per timed run.")
 flags.DEFINE_integer("decode_block", 32, "Decode steps per host round trip.")
+flags.DEFINE_enum("tp_all_reduce", "xla", ["xla", "nccl"], "e2e: the all-reduce of split models, as run's flag.")
 flags.DEFINE_integer("chunk_length", 1024, "Prefill chunk length.")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Weight/activation dtype.")
 flags.DEFINE_integer("repeats", 2, "Timed repeats per row (all are reported, to show the spread).")
@@ -138,6 +139,10 @@ def main(argv):
         from minicpm_jax.cli.system import enable_command_buffers
 
         enable_command_buffers()
+    if FLAGS.tp_all_reduce == "nccl":
+        from minicpm_jax.cli.system import use_nccl_all_reduce
+
+        use_nccl_all_reduce()
     try:
         _main()
     except MiniCPMError as e:

@@ -10,7 +10,7 @@ Flag groups (see --helpfull for every flag with its default):
   speculative: --draft_path --spec_num_iter --spec_topk_per_iter --spec_tree_size --spec_window_size
                --frspec_path --frspec_vocab_size
   output:      --stream --plain_output --stats --json_output --interactive
-  parallel:    --tensor_parallel --coordinator_address --num_processes --process_id
+  parallel:    --tensor_parallel --tp_all_reduce --coordinator_address --num_processes --process_id
   system:      --compilation_cache --xla_command_buffers
 """
 

@@ -221,6 +221,20 @@ def test_command_buffer_flag_is_added_once_and_never_overrides_the_user(monkeypa
     assert enable_command_buffers() is False and os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer="
 
 
+def test_nccl_all_reduce_flag_is_added_once_and_never_overrides_the_user(monkeypatch):
+    import os
+
+    from minicpm_jax.cli.system import NCCL_ALL_REDUCE_FLAG, use_nccl_all_reduce
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    assert use_nccl_all_reduce() is True
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x " + NCCL_ALL_REDUCE_FLAG
+    assert use_nccl_all_reduce() is False
+    mine = "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"
+    monkeypatch.setenv("XLA_FLAGS", mine)
+    assert use_nccl_all_reduce() is False and os.environ["XLA_FLAGS"] == mine
+
+
 def test_seeds_take_all_64_bits():
     """row_key is threefry's seeding (jax.random.PRNGKey under x64) for every 64-bit seed: seeds that
     differ only above bit 32 sample differently (without x64, PRNGKey drops those bits)."""
