@@ -41,7 +41,8 @@ class Attention(nnx.Module):
 
     Under tensor parallelism (``tp``) a shard runs its ``tp.q_heads`` query heads and ``tp.kv_heads`` KV
     heads (its block of ``qkv_proj`` is ``[q | k | v]`` of those) against its heads of the cache, and
-    ``o_proj`` is row-parallel.
+    ``o_proj`` is row-parallel: the result is this shard's partial sum (:meth:`Linear.partial`; fp32),
+    which the decoder layer reduces at the block boundary.
     """
 
     def __init__(
@@ -90,7 +91,8 @@ class Attention(nnx.Module):
         self, x: jax.Array, positions: jax.Array, valid: jax.Array, cache: KVCache, kv_lengths: jax.Array,
         mode: str = "dense", tree: TreeInputs | None = None,
     ) -> tuple[jax.Array, KVCache]:
-        """x ``[B, T, hidden]``, positions ``int32[B, T]``, valid ``bool[B, T]``; returns (``[B, T, hidden]``, cache).
+        """x ``[B, T, hidden]``, positions ``int32[B, T]``, valid ``bool[B, T]``; returns (``[B, T, hidden]``: the output, or
+        this shard's fp32 partial sum of it when split; cache).
 
         mode (static): ``dense``; ``sparse`` (InfLLM-v2 for every row); ``mixed`` (both, each row taking
         sparse iff ``kv_lengths >= dense_len``). With sparse settings the compressed caches are extended
@@ -141,7 +143,7 @@ class Attention(nnx.Module):
                 else:  # mixed: each node as plain decoding would run it, by its own length
                     use = positions + 1 >= sp.dense_len
                     out = jnp.where(use[:, :, None, None], sparse_out, dense_tree())
-            return self.o_proj(out.reshape(b, t, nq)), cache
+            return self.o_proj.partial(out.reshape(b, t, nq)), cache
         cache = cache.write(self.layer, k, v, positions, valid, ops)
         dense = lambda: cache.attend(self.layer, q, positions, kv_lengths, ops, scale=d**-0.5)  # noqa: E731
         if sp is None or mode == "dense":
@@ -156,4 +158,4 @@ class Attention(nnx.Module):
             else:
                 use = kv_lengths >= sp.dense_len
                 out = jnp.where(use[:, None, None, None], sparse_fn(), dense())
-        return self.o_proj(out.reshape(b, t, nq)), cache
+        return self.o_proj.partial(out.reshape(b, t, nq)), cache

@@ -25,14 +25,23 @@ from minicpm_jax.model.paged_cache import PagedKVCache
 from minicpm_jax.model.layers import MLP, Embed, Linear, RMSNorm
 from minicpm_jax.model.parallel import EMBED, VOCAB, TensorParallel, allocate, cache_specs, mesh_size, state_specs
 from minicpm_jax.quant import QuantSpec
+from pallas_kernels import backend
 
 
 class DecoderLayer(nnx.Module):
-    """``x += s·attn(norm(x)); x += s·mlp(norm(x))`` with ``s = scale_depth/sqrt(num_layers)``."""
+    """``x += s·attn(norm(x)); x += s·mlp(norm(x))`` with ``s = scale_depth/sqrt(num_layers)``.
+
+    The sublayers return partial sums when the model is split (row-parallel ``o_proj`` / ``down_proj``);
+    the reduction happens here, at the block boundary, through the backend's ``residual_add_norm`` (reduce,
+    add, and the post-attention RMSNorm) and ``residual_add`` (``pallas_kernels.residual``), so a fused
+    collective is one op. The MLP's residual add is not fused with the next layer's input norm yet.
+    """
 
     def __init__(self, config: ModelConfig, layer: int, *, max_length: int, attention_impl: str, rngs, dtype,
                  quant: QuantSpec | None, sparse: SparseConfig | None, tp: TensorParallel):
         self.residual_scale = config.residual_scale
+        self.impl = attention_impl
+        self.axis_name = tp.reduce_axis  # the mesh axis the sublayers' partial sums are reduced over, or None
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(
             config, layer, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype, quant=quant,
@@ -43,9 +52,12 @@ class DecoderLayer(nnx.Module):
                        impl=attention_impl, tp=tp)
 
     def __call__(self, x, positions, valid, cache: KVCache, kv_lengths, mode: str = "dense", tree=None):
+        ops = backend.get(self.impl)
         attn, cache = self.self_attn(self.input_layernorm(x), positions, valid, cache, kv_lengths, mode, tree)
-        x = x + attn * jnp.asarray(self.residual_scale, x.dtype)
-        x = x + self.mlp(self.post_attention_layernorm(x)) * jnp.asarray(self.residual_scale, x.dtype)
+        post = self.post_attention_layernorm
+        x, h = ops.residual_add_norm(attn, x, self.residual_scale, post.weight[...], eps=post.eps,
+                                     axis_name=self.axis_name)
+        x = ops.residual_add(self.mlp(h), x, self.residual_scale, axis_name=self.axis_name)
         return x, cache
 
 

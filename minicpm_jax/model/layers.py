@@ -3,7 +3,9 @@
 Parameter names mirror the checkpoint names (``embed_tokens``, ``mlp.gate_up_proj`` ...) so the weight
 loaders are maps. Linear kernels are stored ``[in, out]``; q/k/v and gate/up are fused along ``out``.
 Every parameter carries its logical axes (``axes`` metadata, :mod:`minicpm_jax.model.parallel`); under
-tensor parallelism a layer sees its shard's blocks and the row-parallel linears sum the shards' results.
+tensor parallelism a layer sees its shard's blocks. A row-parallel linear's :meth:`~Linear.partial` is this
+shard's partial sum of its output; the decoder layer reduces it at the block boundary (the MLP and the
+attention return partial sums), while ``__call__`` returns the reduced output.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from flax import nnx
 from minicpm_jax.model.parallel import EMBED, GATE_UP, MLP as MLP_AXIS, SHARDED, VOCAB, TensorParallel
 from minicpm_jax.quant import QuantSpec, scale_dtype
 from pallas_kernels import backend
+from pallas_kernels.residual import rms_norm
 
 Axes = tuple  # logical axis names of a parameter (``minicpm_jax.model.parallel``), None = replicated
 SINGLE = None  # a layer outside tensor parallelism (``tp=None``): size 1
@@ -39,7 +42,8 @@ class Linear(nnx.Module):
 
     impl: the kernel backend whose ``matmul`` runs it (a GEMM in every backend; see
     ``pallas_kernels.matmul``); axes: the kernel's logical axes; tp: the model's :class:`TensorParallel`
-    (None: not split). A row-parallel linear all-reduces its fp32 partial products.
+    (None: not split). A row-parallel linear's :meth:`partial` is this shard's fp32 partial product;
+    calling it all-reduces that.
     """
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs | None, dtype=jnp.float32,
@@ -50,11 +54,20 @@ class Linear(nnx.Module):
         self.reduce = _row_parallel(axes, tp)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        return _reduced(self, self.partial(x), x.dtype)
+
+    def partial(self, x: jax.Array) -> jax.Array:
+        """This shard's share of ``x @ kernel``: fp32 partial products when row-parallel (their sum over
+        the devices is the output), else the output itself in x.dtype."""
         matmul = backend.get(self.impl).matmul
         if not self.reduce:
             return matmul(x, self.kernel[...].astype(x.dtype))
-        y = matmul(x, self.kernel[...].astype(x.dtype), preferred_element_type=jnp.float32)
-        return self.tp.all_reduce(y).astype(x.dtype)
+        return matmul(x, self.kernel[...].astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def _reduced(linear, y: jax.Array, dtype) -> jax.Array:
+    """A linear's :meth:`~Linear.partial` result summed over the devices (row-parallel), in ``dtype``."""
+    return linear.tp.all_reduce(y).astype(dtype) if linear.reduce else y
 
 
 class Int4Linear(nnx.Module):
@@ -91,6 +104,10 @@ class Int4Linear(nnx.Module):
             self.perm = nnx.Param(jnp.arange(in_features, dtype=jnp.int32), axes=axes[:1])
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        return _reduced(self, self.partial(x), x.dtype)
+
+    def partial(self, x: jax.Array) -> jax.Array:
+        """As :meth:`Linear.partial`: fp32 partial products when row-parallel, else the output."""
         zeros = self.zeros[...] if hasattr(self, "zeros") else None
         perm = self.perm[...] if hasattr(self, "perm") else None
         group_size = min(self.group_size, x.shape[-1])  # per-channel scales over a shard's rows
@@ -99,9 +116,8 @@ class Int4Linear(nnx.Module):
                                                       group_size=group_size)
         if perm is not None:  # this shard's rows (in stored order) read input channels perm[rows]
             x = jnp.take(self.tp.all_gather(x, -1), perm, axis=-1)
-        y = backend.get(self.impl).int4_matmul(x, self.qweight[...], self.scales[...], zeros, None,
-                                               group_size=group_size, out_dtype=jnp.float32)
-        return self.tp.all_reduce(y).astype(x.dtype)
+        return backend.get(self.impl).int4_matmul(x, self.qweight[...], self.scales[...], zeros, None,
+                                                  group_size=group_size, out_dtype=jnp.float32)
 
 
 def make_linear(in_features: int, out_features: int, quant: QuantSpec | None, *, impl: str,
@@ -139,14 +155,13 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return normed.astype(x.dtype) * self.weight[...].astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps)
 
 
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into ``gate_up_proj`` (under tensor
-    parallelism each shard's block is ``[gate | up]`` of its channels, and ``down_proj`` is row-parallel)."""
+    parallelism each shard's block is ``[gate | up]`` of its channels, and ``down_proj`` is row-parallel:
+    the result is this shard's partial sum, see :meth:`Linear.partial`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  quant: QuantSpec | None = None, impl: str = "xla", tp: TensorParallel | None = SINGLE):
@@ -157,4 +172,4 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj.partial(jax.nn.silu(gate) * up)

@@ -14,9 +14,10 @@ Every decision about splitting a model lives here:
   (canonical) arrays.
 * **Collectives.** A step runs as one SPMD program (:func:`spmd`, ``shard_map`` over the whole step, so
   the Pallas kernels run per shard on local blocks) whose only communication is written out in the
-  model through :class:`TensorParallel`'s methods: one all-reduce per row-parallel linear
-  (:meth:`~TensorParallel.all_reduce`, in fp32), one for the vocab-parallel embedding lookup, and one
-  all-gather of the logits. Act-order int4 row-parallel linears all-gather their input first, and
+  model through :class:`TensorParallel`: one all-reduce of each row-parallel sublayer's fp32 partial sums
+  at the block boundary (the decoder layer's ``residual_add`` / ``residual_add_norm`` backend ops over
+  :attr:`~TensorParallel.reduce_axis`, fused with the residual add and the next norm), one for the
+  vocab-parallel embedding lookup, and one all-gather of the logits. Act-order int4 row-parallel linears all-gather their input first, and
   sparse attention with a KV head shared by several devices all-gathers the selection queries.
 
 A model without a mesh runs exactly the single-device program (size 1, no ``shard_map``).
@@ -170,6 +171,12 @@ class TensorParallel:
                                for s in range(self.size)])
 
     # ------------------------------------------------------------------------------------ collectives
+    @property
+    def reduce_axis(self) -> str | None:
+        """The mesh axis a row-parallel sublayer's partial sums are reduced over at the block boundary
+        (``pallas_kernels.residual``), or None at size 1 (nothing to reduce)."""
+        return AXIS if self.size > 1 else None
+
     def all_reduce(self, x: jax.Array) -> jax.Array:
         """Sum of the shards' partial results (row-parallel linears); identity at size 1."""
         return lax.psum(x, AXIS) if self.size > 1 else x

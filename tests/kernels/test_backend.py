@@ -76,3 +76,37 @@ def test_the_model_runs_every_op_through_its_backend(monkeypatch):
     layers = config.num_layers
     assert calls == {("pallas_kernels.xla", "attention"): layers, ("pallas_kernels.xla", "cache_write"): layers,
                      ("pallas_kernels.xla", "int4_matmul"): 4 * layers}
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_residual_ops_reduce_partial_sums_then_add_and_normalise(devices):
+    """The block-boundary ops (``pallas_kernels.residual``): fp32 partial sums of ``devices`` shards summed
+    over the mesh axis, rounded to the residual's bf16, scaled, added; then the RMSNorm of the sum —
+    against a NumPy re-derivation (at one device: no axis, the partial is the whole output)."""
+    import jax
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    rng = np.random.default_rng(3)
+    parts = rng.standard_normal((devices, 2, 3, 64)).astype(np.float32)
+    residual = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.bfloat16)
+    weight = jnp.asarray(rng.uniform(0.5, 1.5, 64), jnp.bfloat16)
+    scale, eps = 0.7, 1e-5
+    for ns in (xla, triton):
+        if devices == 1:
+            h, normed = ns.residual_add_norm(jnp.asarray(parts[0]), residual, scale, weight, eps=eps)
+            h2 = ns.residual_add(jnp.asarray(parts[0]), residual, scale)
+        else:
+            mesh = Mesh(np.array(jax.devices()[:devices]), ("tp",))
+            run = lambda p, r, w: (*ns.residual_add_norm(p[0], r, scale, w, eps=eps, axis_name="tp"),  # noqa: E731
+                                   ns.residual_add(p[0], r, scale, axis_name="tp"))
+            h, normed, h2 = jax.shard_map(run, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=P(),
+                                          check_vma=False)(jnp.asarray(parts), residual, weight)
+        r = np.asarray(residual, np.float32)
+        added = r + np.asarray(jnp.asarray(parts.sum(0)).astype(jnp.bfloat16), np.float32) * np.float32(
+            np.asarray(jnp.asarray(scale, jnp.bfloat16), np.float32))
+        np.testing.assert_allclose(np.asarray(h, np.float32), added, rtol=1e-2, atol=1e-2)
+        np.testing.assert_array_equal(np.asarray(h2), np.asarray(h))
+        hf = np.asarray(h, np.float32)
+        want = hf / np.sqrt(np.mean(hf * hf, axis=-1, keepdims=True) + eps) * np.asarray(weight, np.float32)
+        np.testing.assert_allclose(np.asarray(normed, np.float32), want, rtol=2e-2, atol=2e-2)
+        assert h.dtype == normed.dtype == jnp.bfloat16
