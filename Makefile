@@ -30,7 +30,7 @@ demo: install
 # quantized checkpoints) are built once. --durations: the slowest tests, to keep CI short.
 PYTEST_WORKERS ?= 2
 test: install-test
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25 tests
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=60 tests
 
 # On a CUDA machine (jax[cuda12] installed): everything but the demo-weight tests, GPU tests included.
 test-gpu:
