@@ -61,8 +61,17 @@ class _Capture(nnx.Module):
         self.linear, self.key, self.sink = linear, key, sink
 
     def __call__(self, x):
-        self.sink[self.key] = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+        self._keep(x)
         return self.linear(x)
+
+    def partial(self, x):
+        """The linear's :meth:`~minicpm_jax.model.layers.Linear.partial` (what ``o_proj`` and ``down_proj``
+        are called through), input kept."""
+        self._keep(x)
+        return self.linear.partial(x)
+
+    def _keep(self, x):
+        self.sink[self.key] = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
 
 
 class _LayerRunner:
