@@ -228,6 +228,10 @@ def test_bad_attention_impl():
     _assert_one_line_error(_run("--attention_impl", "cuda"), "attention_impl")
 
 
+def test_bad_tp_all_reduce():
+    _assert_one_line_error(_run("--tp_all_reduce", "mpi"), "tp_all_reduce")
+
+
 def test_speculative_run_with_a_random_draft_gives_the_plain_greedy_text(smollm2_dir, tmp_path):
     """SmolLM2 with a random-init EAGLE draft (Llama kind): greedy speculative output is the plain greedy
     output, and the stats report the acceptance."""
