@@ -41,6 +41,8 @@ _EXPORTS = {
     "minicpm_jax.model.loading": ("load_draft", "load_model", "save_draft", "save_native"),
     "minicpm_jax.quant": ("QuantSpec",),
     "minicpm_jax.tokenizer": ("StreamDecoder", "encode_prompt", "load_tokenizer", "stop_token_ids"),
+    "minicpm_jax.train.objective": ("Objective",),
+    "minicpm_jax.train.trainer": ("DraftTrainer", "TrainConfig"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -60,6 +62,8 @@ if TYPE_CHECKING:  # what static tools see
     from minicpm_jax.model.loading import load_draft, load_model, save_draft, save_native
     from minicpm_jax.quant import QuantSpec
     from minicpm_jax.tokenizer import StreamDecoder, encode_prompt, load_tokenizer, stop_token_ids
+    from minicpm_jax.train.objective import Objective
+    from minicpm_jax.train.trainer import DraftTrainer, TrainConfig
 
 
 def __getattr__(name: str):
@@ -79,6 +83,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DraftSpec",
+    "DraftTrainer",
     "EagleDraft",
     "EagleSteps",
     "Engine",
@@ -88,6 +93,7 @@ __all__ = [
     "MiniCPMError",
     "MiniCPMForCausalLM",
     "ModelConfig",
+    "Objective",
     "QuantSpec",
     "Request",
     "RopeConfig",
@@ -97,6 +103,7 @@ __all__ = [
     "SpecConfig",
     "SpeculativeEngine",
     "StreamDecoder",
+    "TrainConfig",
     "encode_prompt",
     "load_draft",
     "load_model",

@@ -24,8 +24,9 @@ LAYERS = {
     "io": ("minicpm_jax.io",),
     "model": ("minicpm_jax.model", "minicpm_jax.infllm"),
     "engine": ("minicpm_jax.engine", "minicpm_jax.tokenizer"),
+    "train": ("minicpm_jax.train",),  # beside the engine, above it: it drives the engine for self-distillation
     "surfaces": ("minicpm_jax.cli", "minicpm_jax.run", "minicpm_jax.server", "minicpm_jax.perplexity",
-                 "checkpoints_convert"),
+                 "minicpm_jax.train_eagle", "checkpoints_convert"),
     "api": ("minicpm_jax",),  # the package's __init__: the public API re-exports
     "benchmarks": ("benchmarks",),
     "tests": ("tests",),
@@ -36,9 +37,10 @@ MAY_IMPORT = {
     "io": {"config", "io"},
     "model": {"config", "kernels", "io", "model"},
     "engine": {"config", "kernels", "model", "engine"},  # not io: the engine knows no checkpoint format
-    "surfaces": {"config", "kernels", "io", "model", "engine", "surfaces", "api"},
-    "api": {"config", "kernels", "io", "model", "engine", "surfaces", "api"},
-    "benchmarks": {"config", "kernels", "io", "model", "engine", "surfaces", "api", "benchmarks"},
+    "train": {"config", "kernels", "model", "engine", "train"},  # not io: drafts are written by the model's loader
+    "surfaces": {"config", "kernels", "io", "model", "engine", "train", "surfaces", "api"},
+    "api": {"config", "kernels", "io", "model", "engine", "train", "surfaces", "api"},
+    "benchmarks": {"config", "kernels", "io", "model", "engine", "train", "surfaces", "api", "benchmarks"},
     "tests": set(LAYERS),
 }
 

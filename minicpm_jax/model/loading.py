@@ -21,7 +21,8 @@ from minicpm_jax.config import DraftSpec, ModelConfig, SparseConfig, read_config
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.infllm.policy import resolve_sparse
 from minicpm_jax.io import int4_formats
-from minicpm_jax.io.draft import draft_kind_of, draft_quant, engine_draft_names, read_draft_tensors, write_draft
+from minicpm_jax.io.draft import (draft_kind_of, draft_quant, engine_draft_names, read_draft_tensors, to_vllm_names,
+                                  write_draft)
 from minicpm_jax.io.hf import hf_checkpoint_quant, hf_params
 from minicpm_jax.io.int4_checkpoint import rtn_arrays
 from minicpm_jax.io.names import DECODER_LINEARS, ParamPath, draft_layer_prefix, draft_map, resolve_tied_head
@@ -260,14 +261,27 @@ def load_draft(path: str, target: ModelConfig, *, max_length: int, attention_imp
     return fill_model(draft, read_params(cmap, reader, dtype, ck))
 
 
-def save_draft(draft: EagleDraft, path: str) -> None:
-    """Writes a dense ``draft`` in CPM.cu / SafeAILab tensor names (``model.safetensors`` + ``config.json``,
-    atomically), the format :func:`load_draft` reads."""
+def save_draft(draft: EagleDraft, path: str, *, dtype: str = "float32", layout: str = "cpmcu",
+               target: MiniCPMForCausalLM | None = None) -> None:
+    """Writes a dense ``draft`` (``model.safetensors`` + ``config.json``, atomically) in a layout
+    :func:`load_draft` reads: ``cpmcu`` — CPM.cu / SafeAILab tensor names (EAGLE-3: ``midlayer``, ``d2t``) —
+    or ``vllm`` (a MiniCPM draft in vLLM's names, with ``target``'s embedding and lm_head). dtype: of the
+    floating-point tensors (``float32`` or ``bfloat16``)."""
+    import ml_dtypes
+
     if os.path.exists(path):
         raise MiniCPMError(f"{path!r} already exists")
     if draft.quant is not None:
         raise MiniCPMError("save_draft writes dense drafts; an int4 draft is kept in its GPTQ / marlin checkpoint")
+    floats = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+    if dtype not in floats:
+        raise MiniCPMError(f"a draft is saved as float32 or bfloat16, not {dtype!r}")
     spec = draft.spec
+    if layout == "vllm" and (spec.kind != "minicpm" or target is None):
+        raise MiniCPMError("vLLM's layout is for MiniCPM EAGLE drafts and needs the target (its embedding and "
+                           "lm_head go into the draft)")
+    if layout not in ("cpmcu", "vllm"):
+        raise MiniCPMError(f"the draft layout must be cpmcu or vllm, got {layout!r}")
     flat = {k: np.asarray(v[...]).astype(np.int64 if k == ("d2t",) else np.float32)
             for k, v in nnx.to_flat_state(nnx.state(draft))}
     cmap = draft_map(spec, {draft_layer_prefix(spec.kind) + "self_attn.q_proj.weight"})  # split q/k/v, gate/up
@@ -275,4 +289,8 @@ def save_draft(draft: EagleDraft, path: str) -> None:
     for lin in cmap.linears:
         rows = np.split(flat[lin.path + ("kernel",)].T, np.cumsum(lin.widths)[:-1], axis=0)
         tensors.update({name: np.ascontiguousarray(r) for name, r in zip(lin.weight_names, rows)})
+    if layout == "vllm":
+        embed = np.asarray(target.model.embed_tokens.embedding[...], np.float32)
+        tensors = to_vllm_names(tensors, embed, np.asarray(target.head_rows(), np.float32))
+    tensors = {k: v if v.dtype == np.int64 else v.astype(floats[dtype]) for k, v in tensors.items()}
     write_draft(path, tensors, spec.to_config())
