@@ -126,16 +126,13 @@ def train() -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
 
     from minicpm_jax.cli.demo import resolve_model_path
-    from minicpm_jax.config import DraftSpec
-    from minicpm_jax.model.draft import EagleDraft
     from minicpm_jax.model.loading import load_model, save_draft
     from minicpm_jax.tokenizer import load_tokenizer, stop_token_ids
     from minicpm_jax.train.data import frequent_ids, pack, read_examples, split_heldout
     from minicpm_jax.train.objective import Objective
-    from minicpm_jax.train.trainer import DraftTrainer, TrainConfig
+    from minicpm_jax.train.trainer import DraftTrainer, TrainConfig, new_draft
 
     _check_flags()
     apply_system_flags()
@@ -153,16 +150,12 @@ def train() -> dict:
     train_set, heldout = split_heldout(data, FLAGS.heldout_fraction, FLAGS.seed)
     record["data"] = {"sequences": len(train_set), "heldout_sequences": 0 if heldout is None else len(heldout),
                       "trained_tokens_per_epoch": train_set.trained_tokens()}
-    kind = None if FLAGS.kind == "auto" else FLAGS.kind
-    spec = DraftSpec.for_target(cfg, kind, draft_vocab=FLAGS.draft_vocab or None)
     ids = None
     if FLAGS.draft_vocab:
         ids = frequent_ids(train_set.token_counts(cfg.vocab_size), FLAGS.draft_vocab,
                            keep=stop_token_ids(cfg, tokenizer, model_path))
-    draft = EagleDraft(spec, max_length=model.max_length, attention_impl="xla", dtype=jnp.float32,
-                       rngs=nnx.Rngs(FLAGS.seed))
-    if spec.kind == "eagle3" and ids is not None:
-        draft.d2t.set_value(jnp.asarray(np.sort(ids) - np.arange(ids.shape[0]), jnp.int32))
+    draft = new_draft(model, None if FLAGS.kind == "auto" else FLAGS.kind, vocab_ids=ids, seed=FLAGS.seed)
+    spec = draft.spec
     objective = Objective.for_kind(spec.kind, FLAGS.ttt_steps)
     if FLAGS.feature_noise is not None:
         objective = Objective(objective.steps, objective.regression_weight, objective.token_weight,

@@ -23,6 +23,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from minicpm_jax.config import DraftSpec
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
 from minicpm_jax.model.draft import EagleDraft
@@ -72,6 +73,23 @@ class TrainConfig:
         for key in ("steps", "eval_every", "save_every", "eval_batches", "eval_steps"):
             out.pop(key)
         return out
+
+
+def new_draft(target: MiniCPMForCausalLM, kind: str | None = None, *, vocab_ids: np.ndarray | None = None,
+              seed: int = 0) -> EagleDraft:
+    """A randomly initialised float32 draft of ``kind`` (default: ``minicpm`` for MiniCPM targets, ``llama``
+    otherwise) for ``target``, on the reference kernels (their gradients are defined). ``vocab_ids
+    int32[V']``: an EAGLE-3 draft's vocabulary (its head gets V' rows and ``d2t`` maps them; ignored for
+    EAGLE-1/2 drafts, whose FR-Spec subset is the trainer's ``vocab_ids``)."""
+    eagle3 = kind == "eagle3"
+    size = None if vocab_ids is None or not eagle3 else int(vocab_ids.shape[0])
+    spec = DraftSpec.for_target(target.config, kind, draft_vocab=size)
+    draft = EagleDraft(spec, max_length=target.max_length, attention_impl="xla", dtype=jnp.float32,
+                       rngs=nnx.Rngs(seed))
+    if eagle3 and vocab_ids is not None:
+        ids = np.sort(np.asarray(vocab_ids))
+        draft.d2t.set_value(jnp.asarray(ids - np.arange(ids.shape[0]), jnp.int32))
+    return draft
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:

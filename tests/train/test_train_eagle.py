@@ -25,11 +25,12 @@ from minicpm_jax.model.loading import load_draft, save_draft
 from minicpm_jax.train.data import (Example, Sequences, batch_rows, frequent_ids, pack, read_examples,
                                     split_heldout)
 from minicpm_jax.train.objective import Objective, draft_unroll, losses, target_pass
-from minicpm_jax.train.trainer import DraftTrainer, TrainConfig
+from minicpm_jax.train.trainer import DraftTrainer, TrainConfig, new_draft
 from tests.helpers import tiny_minicpm_config
 
 VOCAB = 32
 MAX_LEN = 64
+RESUME_CFG = TrainConfig(steps=6, batch_size=4, learning_rate=1e-3, warmup_steps=2, eval_every=3, save_every=0)
 
 
 def _target(seed=0) -> MiniCPMForCausalLM:
@@ -157,6 +158,26 @@ def test_a_trained_draft_accepts_more_than_a_random_one_and_decodes_the_plain_gr
     assert accept["trained"] >= accept["random"] + 0.5, accept
 
 
+def test_an_eagle3_draft_trains_over_its_own_vocabulary_and_loads_back(trained, tmp_path):
+    """EAGLE-3 with a draft vocabulary of the data's most frequent tokens: d2t maps it, the training-time
+    test runs over it, and the saved draft (SafeAILab names) loads with the same vocabulary and logits."""
+    model, *_, data = trained[:4]
+    ids = frequent_ids(data.token_counts(VOCAB), 12, keep=[2])
+    draft = new_draft(model, "eagle3", vocab_ids=ids, seed=4)
+    np.testing.assert_array_equal(np.asarray(draft.target_ids()), np.sort(ids))
+    cfg = dataclasses.replace(RESUME_CFG, objective=Objective.for_kind("eagle3", 2), steps=3, eval_every=0)
+    trainer = DraftTrainer(model, draft, data, cfg)
+    before, _ = trainer.loss_and_metrics(np.arange(4))
+    trainer.run(progress=False)
+    after, _ = trainer.loss_and_metrics(np.arange(4))
+    assert after < before
+    save_draft(trainer.draft(), str(tmp_path / "e3"))
+    back = load_draft(str(tmp_path / "e3"), model.config, max_length=MAX_LEN, attention_impl="xla", dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(back.target_ids()), np.sort(ids))
+    h = jax.random.normal(jax.random.key(5), (2, model.config.hidden_size))
+    np.testing.assert_allclose(np.asarray(back.logits(h)), np.asarray(trainer.draft().logits(h)), rtol=1e-5, atol=1e-5)
+
+
 def test_a_saved_draft_loads_back_in_bfloat16_and_in_vllm_layout(trained, tmp_path):
     model, *_ = trained
     draft = _draft(model, "minicpm", seed=3)
@@ -168,9 +189,6 @@ def test_a_saved_draft_loads_back_in_bfloat16_and_in_vllm_layout(trained, tmp_pa
             np.testing.assert_allclose(np.asarray(b[...]), np.asarray(a[...]), rtol=tol, atol=tol, err_msg=str(path))
     with pytest.raises(MiniCPMError, match="vLLM's layout is for MiniCPM"):
         save_draft(_draft(model, "llama"), str(tmp_path / "x"), layout="vllm", target=model)
-
-
-RESUME_CFG = TrainConfig(steps=6, batch_size=4, learning_rate=1e-3, warmup_steps=2, eval_every=3, save_every=0)
 
 
 def test_a_resumed_run_continues_where_it_stopped(tmp_path):
