@@ -8,7 +8,7 @@ excluded; the first prompt is a warm-up and not counted), their ratio, and how m
 (greedy speculative output equals plain greedy output up to the kernels' rounding: verify reads a tree,
 decode one token). The target is the demo model unless ``--target`` names another.
 
-    python -m benchmarks.draft --draft_path drafts/smollm2-135m-instruct-eagle --prompts 16 --num_generate 128
+    python -m benchmarks.draft --draft_path demo --prompts 16 --num_generate 128
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def run(args) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from minicpm_jax.cli.demo import resolve_model_path
+    from minicpm_jax.cli.demo import DEMO_DRAFT_DIR, resolve_model_path
     from minicpm_jax.engine.sampling import SamplingParams
     from minicpm_jax.io.frspec import read_frspec
     from minicpm_jax.model.loading import load_draft, load_model
@@ -52,7 +52,8 @@ def run(args) -> dict:
     prompts_file = args.prompts_file or os.path.join(PACKAGED_PROMPTS, "heldout_prompts.txt")
     prompts = [encode_prompt(tok, p) for p in read_prompts(prompts_file)][: args.prompts + 1]
     stops = stop_token_ids(model.config, tok, path)
-    draft = load_draft(args.draft_path, model.config, max_length=model.max_length,
+    draft_path = DEMO_DRAFT_DIR if args.draft_path == "demo" else args.draft_path
+    draft = load_draft(draft_path, model.config, max_length=model.max_length,
                        attention_impl=model.attention_impl, dtype=model.dtype)
     frspec = None if args.frspec_path is None else read_frspec(args.frspec_path, model.config.vocab_size,
                                                                 args.frspec_vocab_size)
@@ -105,7 +106,7 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--draft_path", required=True)
+    p.add_argument("--draft_path", required=True, help="the draft directory; demo = the demo model's")
     p.add_argument("--target", default=None, help="target model (default: the demo model)")
     p.add_argument("--frspec_path", default=None)
     p.add_argument("--frspec_vocab_size", type=int, default=32768)

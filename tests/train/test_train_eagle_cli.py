@@ -55,6 +55,20 @@ def test_self_distill_train_and_load_the_draft(smollm2_dir, tmp_path):
 
 
 @pytest.mark.smollm2
+def test_the_draft_benchmark_runs_the_shipped_draft(smollm2_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.draft", "--draft_path", "demo", "--prompts", "1",
+                        "--num_generate", "8", "--spec_num_iters", "2", "--max_length", "256", "--json_out", str(out)],
+                       capture_output=True, text=True, timeout=900, env=os.environ)
+    assert r.returncode == 0, r.stderr[-3000:]
+    plain, spec = json.loads(out.read_text())["rows"]
+    assert plain["engine"] == "plain" and plain["prompts"] == 1 and plain["decode_tokens_per_s"] > 0
+    assert spec["num_iter"] == 2 and spec["tree_size"] == 12 and spec["identical_answers"] == 1
+    assert spec["mean_accept_length"] > 1.0 and spec["speedup_vs_plain"] > 0
+    assert "| eagle num_iter=2 |" in r.stdout and "1/1 |" in r.stdout
+
+
+@pytest.mark.smollm2
 def test_chat_and_text_records_train_the_answer(smollm2_tokenizer, tmp_path):
     from minicpm_jax.train.data import read_examples
 
