@@ -164,9 +164,10 @@ def train() -> dict:
                        learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
                        weight_decay=FLAGS.weight_decay, grad_clip=FLAGS.grad_clip, seed=FLAGS.seed,
                        eval_every=FLAGS.eval_every, save_every=FLAGS.save_every)
+    checkpoints = FLAGS.checkpoint_dir or FLAGS.out.rstrip("/") + ".ckpt"
     trainer = DraftTrainer(model, draft, train_set, tcfg, heldout=heldout,
-                           vocab_ids=ids if spec.kind != "eagle3" else None,
-                           checkpoint_dir=FLAGS.checkpoint_dir or FLAGS.out.rstrip("/") + ".ckpt", devices=_devices())
+                           vocab_ids=ids if spec.kind != "eagle3" else None, checkpoint_dir=checkpoints,
+                           devices=_devices())
     if trainer.step:
         print(f"resuming at step {trainer.step} of {tcfg.steps}", file=sys.stderr, flush=True)
     evals = []
@@ -180,7 +181,12 @@ def train() -> dict:
                    f"held-out loss {rec['heldout']['loss']:.4f}, top-1 per step "
                    f"{' '.join(f'{t:.3f}' for t in rec['heldout']['top1'])}, accept estimate "
                    f"{rec['heldout']['accept']:.3f}", file=sys.stderr)
-    record["training"] = trainer.run(progress=FLAGS.progress, log=log)
+    try:
+        record["training"] = trainer.run(progress=FLAGS.progress, log=log)
+    except KeyboardInterrupt:  # the trainer has checkpointed this step
+        print(f"\ninterrupted at step {trainer.step}: checkpoint in {checkpoints}; run the same command to resume",
+              file=sys.stderr)
+        sys.exit(130)
     record["evaluations"] = evals
     record.update(kind=spec.kind, devices=len(trainer.mesh.devices.flat), backend=jax.default_backend(),
                   draft_params=int(sum(np.size(x) for x in jax.tree.leaves(trainer.params))))
