@@ -12,6 +12,7 @@ from safetensors.numpy import save_file
 from checkpoints_convert.common import atomic_output_dir, check_destination, write_json
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.io.draft import draft_kind_of, engine_draft_names, read_draft_tensors, to_vllm_names
+from minicpm_jax.train.data import frequent_ids
 
 EAGLE_LAYOUTS = ("cpmcu", "vllm")
 
@@ -65,7 +66,7 @@ def make_frspec(tokenizer_dir: str, corpus: str, vocab_sizes: list[int], dst: st
                 overwrite: bool = False) -> dict[int, int]:
     """Counts token frequencies over the first ``max_lines`` lines of ``corpus`` (tokenized without
     special tokens) and writes ``freq_{V}.npy`` (int32 ids, most frequent first, ties by id, the EOS ids
-    forced into the tail) for each V in ``vocab_sizes``, plus ``frspec.json`` describing them. Returns
+    always in: :func:`minicpm_jax.train.data.frequent_ids`) for each V in ``vocab_sizes``, plus ``frspec.json`` describing them. Returns
     {V: distinct tokens seen}."""
     from minicpm_jax.tokenizer import load_tokenizer
 
@@ -100,16 +101,11 @@ def make_frspec(tokenizer_dir: str, corpus: str, vocab_sizes: list[int], dst: st
             counts += count(batch)
     if counts.sum() == 0:
         raise MiniCPMError(f"{corpus!r} has no text to count")
-    order = np.lexsort((np.arange(vocab), -counts))  # by count, descending; ties by id
     eos = [t for t in ([tok.eos_token_id] if isinstance(tok.eos_token_id, int) else []) if 0 <= t < vocab]
     seen = {}
     with atomic_output_dir(dst, overwrite) as tmp:
-        for v in vocab_sizes:
-            ids = [int(t) for t in order[:v]]
-            for t in eos:  # the draft must be able to propose the end of the text
-                if t not in ids:
-                    ids[-1 - eos.index(t)] = t
-            np.save(os.path.join(tmp, f"freq_{v}.npy"), np.asarray(ids, np.int32))
+        for v in vocab_sizes:  # by count, ties by id; the draft must be able to propose the end of the text
+            np.save(os.path.join(tmp, f"freq_{v}.npy"), frequent_ids(counts, v, keep=eos))
             seen[v] = int(min(v, np.count_nonzero(counts)))
         write_json(os.path.join(tmp, "frspec.json"), {"corpus": os.path.abspath(corpus), "lines": lines,
                                                       "tokens": int(counts.sum()), "vocab_sizes": vocab_sizes,

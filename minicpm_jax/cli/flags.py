@@ -256,6 +256,15 @@ def sparse_overrides_from_flags() -> dict:
     return dict(topk=FLAGS.sparse_topk, window_size=FLAGS.sparse_window, dense_len=FLAGS.dense_len)
 
 
+def dtype_from_flags() -> str:
+    """``--dtype``, with auto resolved: float32 on a CPU (exact), bfloat16 on an accelerator."""
+    import jax
+
+    if FLAGS.dtype != "auto":
+        return FLAGS.dtype
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
 def load_from_flags(*, progress: bool = True, batch_size: int = 1, paged: bool = False):
     """Loads what the model flags name: returns (model_path, model, tokenizer, load seconds).
 
@@ -263,7 +272,6 @@ def load_from_flags(*, progress: bool = True, batch_size: int = 1, paged: bool =
     engine's rows, for sizing the cache (``--max_length auto``); paged: the cache will be a pool of pages
     (``--max_length auto`` is then the model's context on a GPU).
     """
-    import jax
     import jax.numpy as jnp
 
     from minicpm_jax.cli.demo import resolve_model_path
@@ -271,9 +279,7 @@ def load_from_flags(*, progress: bool = True, batch_size: int = 1, paged: bool =
     from minicpm_jax.tokenizer import load_tokenizer
 
     model_path = resolve_model_path(FLAGS.model_path, progress=progress)
-    dtype = FLAGS.dtype
-    if dtype == "auto":
-        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    dtype = dtype_from_flags()
     t0 = time.perf_counter()
     mesh = mesh_from_flags()
     max_length = cache_length_from_flags(model_path, jnp.dtype(dtype), batch_size=batch_size, paged=paged)

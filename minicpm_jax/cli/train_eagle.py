@@ -14,6 +14,7 @@ target (``--dtype``, ``--quant``, ``--attention_impl``, ``--sparse``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ import sys
 
 from absl import app, flags
 
-from minicpm_jax.cli.flags import apply_system_flags, fail
+from minicpm_jax.cli.flags import apply_system_flags, dtype_from_flags, fail
 from minicpm_jax.config import DRAFT_KINDS
 from minicpm_jax.errors import MiniCPMError
 
@@ -137,8 +138,7 @@ def train() -> dict:
     _check_flags()
     apply_system_flags()
     model_path = resolve_model_path(FLAGS.target or FLAGS.model_path, progress=FLAGS.progress)
-    dtype = FLAGS.dtype if FLAGS.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    model = load_model(model_path, dtype=jnp.dtype(dtype), max_length=FLAGS.seq_len,
+    model = load_model(model_path, dtype=jnp.dtype(dtype_from_flags()), max_length=FLAGS.seq_len,
                        attention_impl=FLAGS.attention_impl, quant=FLAGS.quant, group_size=FLAGS.quant_group_size,
                        sparse=FLAGS.sparse)
     tokenizer = load_tokenizer(model_path)
@@ -158,8 +158,7 @@ def train() -> dict:
     spec = draft.spec
     objective = Objective.for_kind(spec.kind, FLAGS.ttt_steps)
     if FLAGS.feature_noise is not None:
-        objective = Objective(objective.steps, objective.regression_weight, objective.token_weight,
-                              FLAGS.feature_noise)
+        objective = dataclasses.replace(objective, feature_noise=FLAGS.feature_noise)
     tcfg = TrainConfig(objective=objective, steps=FLAGS.steps, batch_size=FLAGS.batch_size,
                        learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
                        weight_decay=FLAGS.weight_decay, grad_clip=FLAGS.grad_clip, seed=FLAGS.seed,

@@ -126,7 +126,8 @@ def losses(model: MiniCPMForCausalLM, draft: EagleDraft, tokens: jax.Array, leng
     of an EAGLE-1/2 draft (its head is then the target's rows of those ids). noise_key: the features'
     noise (None: none, as in evaluation). Metrics: ``loss``; ``ce`` and ``reg`` of step 0; ``top1`` (step
     ``k``'s greedy token is the target's, per step); ``accept`` — a chain estimate of tokens per round:
-    1 + the expected run of consecutive steps whose greedy token is the target's (and the data's).
+    1 + the expected run of consecutive steps whose greedy token is the target's (and the data's);
+    ``weight``: the trained positions of step 0.
     """
     capture = draft.spec.capture
     hidden, features = target_pass(model, tokens, lengths, capture)
@@ -175,5 +176,6 @@ def losses(model: MiniCPMForCausalLM, draft: EagleDraft, tokens: jax.Array, leng
             metrics["ce"], metrics["reg"], w0 = ce, reg, w
     loss = total / len(outs)
     metrics["loss"] = loss
-    metrics["accept"] = jnp.sum(accept * w0) / jnp.maximum(jnp.sum(w0), 1.0)
+    metrics["weight"] = jnp.sum(w0)  # trained positions: what averages over batches weigh by
+    metrics["accept"] = jnp.sum(accept * w0) / jnp.maximum(metrics["weight"], 1.0)
     return loss, metrics

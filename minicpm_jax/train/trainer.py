@@ -106,16 +106,14 @@ def _loss_fn(tgraph, dgraph, seed: int, objective: Objective, noise: bool) -> Ca
     def loss(params, rest, tstate, vocab_ids, tokens, lengths, starts, step):
         model, draft = nnx.merge(tgraph, tstate), nnx.merge(dgraph, params, rest)
         key = jax.random.fold_in(jax.random.key(seed), step) if noise else None
-        total, metrics = losses(model, draft, tokens, lengths, starts, objective, vocab_ids=vocab_ids, noise_key=key)
-        t = jnp.arange(tokens.shape[1])[None, :]
-        metrics["weight"] = jnp.sum((t + 1 >= starts[:, None]) & (t + 1 < lengths[:, None]))
-        return total, metrics
+        return losses(model, draft, tokens, lengths, starts, objective, vocab_ids=vocab_ids, noise_key=key)
     return loss
 
 
 @functools.lru_cache(maxsize=8)
-def _programs(tgraph, dgraph, cfg: TrainConfig) -> tuple[Callable, Callable, Callable]:
-    """The jitted (train step, training loss, held-out loss) of a target / draft structure and settings;
+def _programs(tgraph, dgraph, cfg: TrainConfig) -> tuple[Callable, Callable, Callable, Callable]:
+    """The jitted (optimizer init, train step, training loss, held-out loss) of a target / draft structure
+    and settings;
     cached, so trainers of the same shapes (a resumed run in the same process) share their compilations."""
     loss = _loss_fn(tgraph, dgraph, cfg.seed, cfg.objective, noise=True)
     optimizer = make_optimizer(cfg)
@@ -127,7 +125,7 @@ def _programs(tgraph, dgraph, cfg: TrainConfig) -> tuple[Callable, Callable, Cal
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, metrics
 
-    return (jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(loss),
+    return (jax.jit(optimizer.init), jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(loss),
             jax.jit(_loss_fn(tgraph, dgraph, cfg.seed, eval_objective, noise=False)))
 
 
@@ -160,16 +158,14 @@ class DraftTrainer:
         self.rest = jax.device_put(rest, self.replicated)
         self.vocab_ids = None if vocab_ids is None else jax.device_put(jnp.asarray(vocab_ids, jnp.int32),
                                                                        self.replicated)
-        self.optimizer = make_optimizer(cfg)
-        self.opt_state = jax.jit(self.optimizer.init)(self.params)
+        init, self._train_step, self._loss, self._eval_step = _programs(self.tgraph, self.dgraph, cfg)
+        self.opt_state = init(self.params)
         self.step = 0
         self.manager = None
         if checkpoint_dir is not None:
             self.manager = self._open_checkpoints(checkpoint_dir)
-        self._train_step, self._loss, self._eval_step = _programs(self.tgraph, self.dgraph, cfg)
-
-    def _batch(self, data: Sequences, rows: np.ndarray):
-        b = data.rows(rows)
+    def _place(self, b: Sequences) -> tuple:
+        """(tokens, lengths, starts) of ``b``, split over the mesh's ``data`` axis."""
         return tuple(jax.device_put(x, self.split_rows) for x in (b.tokens, b.lengths, b.starts))
 
     # ------------------------------------------------------------------ public
@@ -177,7 +173,7 @@ class DraftTrainer:
         """The training loss (noise of ``step``) and metrics of ``rows`` of ``data`` (default: the training
         set) at the current parameters, without updating them."""
         loss, metrics = self._loss(self.params, self.rest, self.tstate, self.vocab_ids,
-                           *self._batch(data or self.train_data, rows), jnp.int32(step))
+                           *self._place((data or self.train_data).rows(rows)), jnp.int32(step))
         return float(loss), jax.tree.map(np.asarray, metrics)
 
     def evaluate(self) -> dict:
@@ -194,8 +190,8 @@ class DraftTrainer:
             rows_real = np.arange(i * bs, (i + 1) * bs) < n
             data = self.heldout.rows(rows)
             data.lengths = np.where(rows_real, data.lengths, 0).astype(np.int32)  # padding rows weigh nothing
-            batch = (jax.device_put(x, self.split_rows) for x in (data.tokens, data.lengths, data.starts))
-            _, m = self._eval_step(self.params, self.rest, self.tstate, self.vocab_ids, *batch, jnp.int32(0))
+            _, m = self._eval_step(self.params, self.rest, self.tstate, self.vocab_ids, *self._place(data),
+                                   jnp.int32(0))
             w = float(m["weight"])
             weight += w
             for key in ("accept", "loss"):
@@ -220,7 +216,7 @@ class DraftTrainer:
         try:
             while self.step < cfg.steps:
                 rows = batch_rows(len(self.train_data), cfg.batch_size, self.step, cfg.seed)
-                batch = self._batch(self.train_data, rows)
+                batch = self._place(self.train_data.rows(rows))
                 self.params, self.opt_state, metrics = self._train_step(
                     self.params, self.opt_state, self.rest, self.tstate, self.vocab_ids, *batch, jnp.int32(self.step))
                 self.step += 1
