@@ -33,8 +33,10 @@ class DecoderLayer(nnx.Module):
 
     The sublayers return partial sums when the model is split (row-parallel ``o_proj`` / ``down_proj``);
     the reduction happens here, at the block boundary, through the backend's ``residual_add_norm`` (reduce,
-    add, and the post-attention RMSNorm) and ``residual_add`` (``pallas_kernels.residual``), so a fused
-    collective is one op. The MLP's residual add is not fused with the next layer's input norm yet.
+    add, and the next RMSNorm; ``pallas_kernels.residual``), so a fused collective is one op. The model
+    runs the layers through :meth:`forward`, which also takes the input norm from the layer before and
+    fuses the MLP's residual add with the next norm (the next layer's input norm, or the final norm):
+    every norm of a step is one op with the add before it.
     """
 
     def __init__(self, config: ModelConfig, layer: int, *, max_length: int, attention_impl: str, rngs, dtype,
@@ -52,13 +54,24 @@ class DecoderLayer(nnx.Module):
                        impl=attention_impl, tp=tp)
 
     def __call__(self, x, positions, valid, cache: KVCache, kv_lengths, mode: str = "dense", tree=None):
+        """The layer alone: ``(x', cache)``."""
+        x, _, cache = self.forward(x, self.input_layernorm(x), positions, valid, cache, kv_lengths, mode, tree)
+        return x, cache
+
+    def forward(self, x, h, positions, valid, cache: KVCache, kv_lengths, mode: str = "dense", tree=None,
+                next_norm: RMSNorm | None = None):
+        """The layer in a chain: ``h`` is ``input_layernorm(x)`` (from the layer before); returns ``(x',
+        next_norm(x') or None, cache)``, the norm fused with the MLP's residual add."""
         ops = backend.get(self.impl)
-        attn, cache = self.self_attn(self.input_layernorm(x), positions, valid, cache, kv_lengths, mode, tree)
+        attn, cache = self.self_attn(h, positions, valid, cache, kv_lengths, mode, tree)
         post = self.post_attention_layernorm
         x, h = ops.residual_add_norm(attn, x, self.residual_scale, post.weight[...], eps=post.eps,
                                      axis_name=self.axis_name)
-        x = ops.residual_add(self.mlp(h), x, self.residual_scale, axis_name=self.axis_name)
-        return x, cache
+        if next_norm is None:
+            return ops.residual_add(self.mlp(h), x, self.residual_scale, axis_name=self.axis_name), None, cache
+        x, h = ops.residual_add_norm(self.mlp(h), x, self.residual_scale, next_norm.weight[...], eps=next_norm.eps,
+                                     axis_name=self.axis_name)
+        return x, h, cache
 
 
 class MiniCPMModel(nnx.Module):
@@ -212,32 +225,35 @@ class MiniCPMForCausalLM(nnx.Module):
         def run_layers(mode):
             def run(x, cache):
                 seen = {}
-                for i, layer in enumerate(self.model.layers):
+                layers = self.model.layers
+                h = layers[0].input_layernorm(x)
+                for i, layer in enumerate(layers):
                     if i in capture:
                         seen[i] = x
-                    x, cache = layer(x, positions, valid, cache, kv_lengths, mode, tree)
+                    next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+                    x, h, cache = layer.forward(x, h, positions, valid, cache, kv_lengths, mode, tree, next_norm)
                 if mode == "dense" and tree is None:
                     # Dense layers leave the compressed keys to here, once every layer's keys are written
                     # (see Attention.__call__); trees leave them to the committed path.
                     cache = self.extend_compressed(cache, positions[:, 0], kv_lengths, t)
-                return x, cache, [seen[i] for i in capture]
+                return h, cache, [seen[i] for i in capture]  # h: the final norm of the last layer's output
             return run
 
         if not self.sparse_active:
-            x, cache, captured = run_layers("dense")(x, cache)
+            hidden, cache, captured = run_layers("dense")(x, cache)
         elif mode != "auto":
             if mode not in ("dense", "sparse", "mixed"):
                 raise ValueError(f"mode must be auto, dense, sparse or mixed, got {mode!r}")
-            x, cache, captured = run_layers(mode)(x, cache)
+            hidden, cache, captured = run_layers(mode)(x, cache)
         else:
             # One switch for the whole forward: a conditional costs the GPU a host round trip, too much
             # per layer.
             use = kv_lengths >= self.sparse.dense_len
             branch = jnp.where(jnp.all(use), 2, jnp.where(jnp.any(use), 1, 0))
-            x, cache, captured = lax.switch(branch, [run_layers("dense"), run_layers("mixed"), run_layers("sparse")],
-                                            x, cache)
+            hidden, cache, captured = lax.switch(branch, [run_layers("dense"), run_layers("mixed"), run_layers("sparse")],
+                                                 x, cache)
         cache = dataclasses.replace(cache, lengths=kv_lengths)
-        return self.model.norm(x), captured, cache
+        return hidden, captured, cache
 
     def extend_compressed(self, cache: KVCache, old_lengths: jax.Array, new_lengths: jax.Array,
                           max_tokens: int) -> KVCache:
