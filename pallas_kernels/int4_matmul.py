@@ -19,8 +19,8 @@ Two kernels (``KERNELS``; :func:`default_kernel` picks one):
   row) or ``jnp.dot`` on the dequantized tile (2..``MAX_KERNEL_ROWS`` rows, padded to a multiple of 16).
   More than 64 rows and 2+ rows with scale groups under 128 run it.
 
-More than ``MAX_KERNEL_ROWS`` rows (prefill chunks) go to the reference: one dequantization, then the XLA
-GEMM.
+More than ``MAX_KERNEL_ROWS`` rows (prefill chunks) run :func:`int4_matmul_sliced`: XLA's GEMMs on weights
+dequantized a slice of output columns at a time inside a loop, so no dequantized weight outlives its GEMM.
 
 Scales are applied once per group to the partial sum: ``Σ x·s·(q − z) = s·(Σ x·q − z·Σ x)``.
 
@@ -137,6 +137,47 @@ def int4_matmul_reference(x, qweight, scales, zeros=None, perm=None, *, group_si
     w = dequantize(qweight, scales, zeros, group_size=group_size, dtype=x.dtype)
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     return jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision).astype(out_dtype or x.dtype)
+
+
+# Output columns per dequantized slice of a prefill GEMM: [K, 4096] bf16 (32 MB for MiniCPM4-8B's gate_up)
+# per step, and GEMMs of [rows, K] @ [K, 4096], large enough for the tensor cores.
+SLICE_COLUMNS = 4096
+
+
+def int4_matmul_sliced(x, qweight, scales, zeros=None, perm=None, *, group_size: int, out_dtype=None,
+                       slice_columns: int = SLICE_COLUMNS):
+    """:func:`int4_matmul_reference` (same signature, fp32 accumulation) for long row counts, with the
+    weight dequantized a slice of output columns at a time in a ``lax.fori_loop`` (at most
+    ``slice_columns``, and at least two slices): one GEMM per slice over the whole K, written into its
+    columns of the result.
+
+    Why: the reference's dequantization depends on the parameters alone, so XLA's scheduler may start every
+    layer's early and a forward then holds all layers' dequantized weights at once — 13.4 GB of
+    temporaries in a 1024-token int4 prefill chunk of MiniCPM4-8B on an H200 (~30 bf16 [4096, 32768]
+    weights live together; 22.6 GB of program memory at 128K context). A loop that reads x cannot start
+    before x exists, and a slice dies with its iteration. An optimization barrier does not do this: XLA
+    removes it before scheduling."""
+    k, n = _shape_kn(qweight)
+    cols = _largest_divisor(n, min(slice_columns, n // 2), 8)
+    if n % cols or cols == n:  # a width with no slice of 8 columns or more: one GEMM
+        return int4_matmul_reference(x, qweight, scales, zeros, perm, group_size=group_size, out_dtype=out_dtype)
+    if perm is not None:
+        x = jnp.take(x, perm, axis=-1)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    out_dtype = out_dtype or x.dtype
+
+    def body(i, y):
+        def cut(a):
+            return lax.dynamic_slice_in_dim(a, i * cols, cols, axis=1)
+        w = dequantize(cut(qweight), cut(scales), None if zeros is None else cut(zeros), group_size=group_size,
+                       dtype=x.dtype)
+        part = jnp.dot(x2, w, preferred_element_type=jnp.float32, precision=precision).astype(out_dtype)
+        return lax.dynamic_update_slice_in_dim(y, part, i * cols, axis=1)
+
+    y = lax.fori_loop(0, n // cols, body, jnp.zeros((x2.shape[0], n), out_dtype))
+    return y.reshape(*lead, n)
 
 
 def _codes_to_f32(q: jax.Array) -> jax.Array:
@@ -376,8 +417,8 @@ def int4_matmul(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if m > MAX_KERNEL_ROWS and config is None:  # prefill chunks: dequantize once, then the XLA GEMM
-        return int4_matmul_reference(x, qweight, scales, zeros, perm, group_size=group_size, out_dtype=out_dtype)
+    if m > MAX_KERNEL_ROWS and config is None:  # prefill chunks: dequantized slices, XLA's GEMMs
+        return int4_matmul_sliced(x, qweight, scales, zeros, perm, group_size=group_size, out_dtype=out_dtype)
     kernel = kernel or default_kernel(m, group_size)
     if kernel not in KERNELS:
         raise ValueError(f"unknown int4 kernel {kernel!r}; expected one of {KERNELS}")
