@@ -21,6 +21,7 @@ import math
 import statistics
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -74,6 +75,10 @@ def _random_tree(n: int, topk: int, seed: int = 0) -> tuple[np.ndarray, np.ndarr
         depth[i] = depth[parent[i]] + 1
         mask[i] |= mask[parent[i]]
     return depth, mask
+
+
+def _bytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "nbytes"))
 
 
 def _ms(times: list[float]) -> float:
@@ -206,6 +211,11 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
                                   "speedup_vs_plain_bf16": plain_bf16 / statistics.median(ms)})
             print(f"  spec {quant}: oracle {row['oracle'][-1]}", file=sys.stderr)
             del seng
+        # The device's peak so far (this row's programs and the rows before it; None off the GPU).
+        row["peak_bytes_in_use"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+        row["weights_and_cache_bytes"] = _bytes(state) + _bytes(cache)
+        print(f"  spec {quant}: peak {row['peak_bytes_in_use']} bytes, weights + cache "
+              f"{row['weights_and_cache_bytes']} bytes", file=sys.stderr)
         out["rows"].append(row)
         del engine, model, draft
     out["plain_bf16_ms_per_token"] = plain_bf16
