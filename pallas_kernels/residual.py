@@ -6,7 +6,9 @@ output. The reduction sits here, at the block boundary, not inside the linear (a
 places it): a collective that also adds the residual and normalises (the fused all-reduce + add + RMSNorm
 of SGLang's and vLLM's custom all-reduce) is then one op with one signature. Only the references exist:
 XLA's all-reduce (``lax.psum``, which XLA lowers to NCCL or its one-shot kernel), then the add and the norm
-as XLA fuses them. A Pallas collective kernel would be the ``pallas`` namespace's op beside them.
+as XLA fuses them. A Pallas collective kernel would be the ``pallas`` namespace's op beside them. A Pallas
+add + norm without the collective was measured slower on one GPU (docs/lab_notes, twenty-seventh
+session): XLA fuses the preceding GEMM's split-K reduction into the add, which a custom call cannot absorb.
 
 Shapes: ``partial [..., H]`` (fp32 when it is a partial sum over devices, else the residual's dtype),
 ``residual [..., H]`` (the activation dtype), ``weight [H]``; results in the residual's dtype.
