@@ -164,6 +164,7 @@ class DraftTrainer:
         self.manager = None
         if checkpoint_dir is not None:
             self.manager = self._open_checkpoints(checkpoint_dir)
+
     def _place(self, b: Sequences) -> tuple:
         """(tokens, lengths, starts) of ``b``, split over the mesh's ``data`` axis."""
         return tuple(jax.device_put(x, self.split_rows) for x in (b.tokens, b.lengths, b.starts))

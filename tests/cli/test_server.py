@@ -324,17 +324,26 @@ def test_a_busy_port_is_refused_before_the_model_loads(smollm2_dir):
     assert time.perf_counter() - t < 60  # no model was loaded (that alone takes longer on a CPU)
 
 
-def _sse(server, content: str, max_tokens: int, **extra) -> list:
-    """The data payloads of one streaming chat request (parsed JSON, or the string "[DONE]")."""
+def _body(content: str, max_tokens: int, stream: bool = True, **extra) -> dict:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": stream, **extra}
+
+
+def _sse(url: str, body: dict, *, key: str | None = None, drop_after: int | None = None) -> list:
+    """The data payloads of one streaming chat request (parsed JSON, or the string "[DONE]"); the client
+    leaves after ``drop_after`` JSON payloads when given."""
     import json
 
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, **extra}
     events = []
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=300) as r:
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300, headers=headers) as r:
+        assert r.status_code == 200, r.read()
         for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+            if not line.startswith("data: "):
+                continue
+            events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+            if drop_after is not None and sum(isinstance(e, dict) for e in events) > drop_after:
+                break
     return events
 
 
@@ -348,11 +357,11 @@ def test_sigterm_drains_then_exits_0(smollm2_dir):
     s = Server("--max_batch_size", "2", "--max_queue", "4", "--max_length", "512", "--decode_block", "4",
                "--shutdown_grace_s", "4")  # the long stream needs > 6 s, the short one < 1 s
     try:
-        short_alone = _sse(s, "Say hello.", 24)  # also compiles the steps
+        short_alone = _sse(s.url, _body("Say hello.", 24))  # also compiles the steps
         results = {}
-        threads = [threading.Thread(target=lambda: results.setdefault("short", _sse(s, "Say hello.", 24))),
+        threads = [threading.Thread(target=lambda: results.setdefault("short", _sse(s.url, _body("Say hello.", 24)))),
                    threading.Thread(target=lambda: results.setdefault("long", _sse(  # 450 tokens, > the grace
-                       s, "Count from 1 to 1000, separated by commas.", 450, ignore_eos=True)))]
+                       s.url, _body("Count from 1 to 1000, separated by commas.", 450, ignore_eos=True))))]
         for t in threads:
             t.start()
         deadline = time.time() + 120
@@ -537,8 +546,6 @@ def load_client(server):
 
 def _server_ttfts(server, ids: list[str]) -> list[float]:
     """The ttft= of the access lines of the requests ``ids`` (the log is written once a response ends)."""
-    import time
-
     deadline = time.time() + 10
     while True:
         server.log.seek(0)
@@ -597,30 +604,11 @@ def test_streams_keep_flowing_while_a_long_prompt_is_read(load_client):
     assert r["long_prompt_text"] and r["long_prompt_text"] == alone["text"]
 
 
-def _load_body(prompt: str, max_tokens: int, stream: bool, **extra) -> dict:
-    return {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": stream, **extra}
-
-
 def _load_stream(url: str, body: dict, drop_after: int | None = None) -> tuple[str, list]:
-    """(text, the data payloads) of a streaming chat request; the client leaves after ``drop_after`` text
-    chunks when given."""
-    import json
-
-    import httpx
-
-    text, events = "", []
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120,
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
-            if isinstance(events[-1], dict) and events[-1].get("choices"):
-                text += events[-1]["choices"][0]["delta"].get("content") or ""
-                if drop_after is not None and sum(1 for e in events if isinstance(e, dict)) > drop_after:
-                    break
+    """(text, the data payloads) of a streaming chat request with the module server's key (see :func:`_sse`)."""
+    events = _sse(url, body, key=KEY, drop_after=drop_after)
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                   if isinstance(e, dict) and e.get("choices"))
     return text, events
 
 
@@ -629,38 +617,34 @@ def test_32_clients_dropping_abandoning_then_sigterm(server):
     abandon a non-streaming call, 4 long streams are still running at SIGTERM. Every completed answer is
     the prompt's answer alone, the 8 dropped requests are cancelled, every stream still open ends with
     [DONE], and the server exits 0. (Last of this module's tests of the shared server: it stops it.)"""
-    import concurrent.futures
     import signal
-    import time
-
-    import httpx
 
     prompts = [f"Give me one word about the number {i}." for i in range(8)]
-    alone = [_load_stream(server.url, _load_body(p, 12, True))[0] for p in prompts]
+    alone = [_load_stream(server.url, _body(p, 12, True))[0] for p in prompts]
     before = httpx.get(server.url + "/health").json()["finished"].get("cancelled", 0)
     server.log.seek(0)
     aborted_before = server.log.read().count(" 499 chatcmpl-")  # earlier tests' on this shared server
 
     def complete_stream(i):
-        return _load_stream(server.url, _load_body(prompts[i % 8], 12, True))[0]
+        return _load_stream(server.url, _body(prompts[i % 8], 12, True))[0]
 
     def complete_plain(i):
-        r = _post(server, _load_body(prompts[i % 8], 12, False))
+        r = _post(server, _body(prompts[i % 8], 12, False))
         return r.json()["choices"][0]["message"]["content"]
 
     def drop(i):
-        return _load_stream(server.url, _load_body(prompts[i % 8], 200, True, ignore_eos=True), drop_after=2)
+        return _load_stream(server.url, _body(prompts[i % 8], 200, True, ignore_eos=True), drop_after=2)
 
     def abandon(i):
         try:
             httpx.post(server.url + "/v1/chat/completions", timeout=2, headers={"Authorization": f"Bearer {KEY}"},
-                       json=_load_body(prompts[i % 8], 200, False, ignore_eos=True))
+                       json=_body(prompts[i % 8], 200, False, ignore_eos=True))
         except httpx.TimeoutException:
             return "abandoned"
         return "answered"
 
     def long_stream(i):
-        return _load_stream(server.url, _load_body(prompts[i % 8], 120, True, ignore_eos=True))
+        return _load_stream(server.url, _body(prompts[i % 8], 120, True, ignore_eos=True))
 
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
