@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 
 # Eight CPU devices (before JAX starts), so tensor parallelism is tested over 2, 4 and 8 of them; every
 # other test runs on the first, as on one device.
@@ -19,6 +21,25 @@ from tests import helpers  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_OWN_XLA_CACHE = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    # One persistent XLA compilation cache for the whole run: both xdist workers (they inherit the variable
+    # from the controller, which configures first) and the servers and CLIs they start. Many tests build an
+    # engine or a server of shapes an earlier test compiled; they then load its programs instead of
+    # compiling them again. Fresh for each run unless the variable is set outside.
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="minicpm_jax_xla_cache_")
+        config.stash[_OWN_XLA_CACHE] = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+
+
+def pytest_unconfigure(config):
+    path = config.stash.get(_OWN_XLA_CACHE, None)
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def on_gpu() -> bool:

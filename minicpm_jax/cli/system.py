@@ -57,12 +57,15 @@ def start_distributed(coordinator_address: str | None, num_processes: int | None
 
 
 def enable_compilation_cache() -> None:
-    """Persistent XLA compilation cache in ``$MINICPM_JAX_CACHE/jax_cache``, so a second run starts faster."""
+    """Persistent XLA compilation cache, so a second run starts faster: in ``$JAX_COMPILATION_CACHE_DIR``
+    when set (JAX's own variable; processes started together can share one, as the test suite's do), else
+    in ``$MINICPM_JAX_CACHE/jax_cache``."""
     import jax
 
     from minicpm_jax.cli.demo import cache_dir
 
-    jax.config.update("jax_compilation_cache_dir", os.path.join(cache_dir(), "jax_cache"))
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cache_dir(), "jax_cache")
+    jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
