@@ -60,6 +60,10 @@ flags.DEFINE_float("shutdown_grace_s", 25.0, "On SIGTERM / Ctrl-C: seconds runni
 flags.DEFINE_integer("prefill_budget", 0, "Prompt tokens prefilled per scheduler step (a longer prompt is read in "
                      "pieces of this size, a decode step of the running requests between pieces); 0 = auto: 64 on a "
                      "CPU, 256 on an accelerator, at most --chunk_length.", module_name=_H)
+flags.DEFINE_boolean("warm_up", True, "Compile every prefill shape and decode program before listening, so no "
+                     "request meets a compilation; --nowarm_up listens at once and compiles each program when a "
+                     "request first needs it (development: the first requests of a shape stall every stream).",
+                     module_name=_H)
 flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"],
                   "Server log level; info writes an access line per request to stderr.", module_name=_H)
 
@@ -147,9 +151,11 @@ def _serve() -> None:
                           overlap=jax.default_backend() != "cpu")
     stops = stop_token_ids(model.config, tokenizer, model_path)
     t = time.perf_counter()
-    _warm_up(scheduler, tokenizer, stops)
+    if FLAGS.warm_up:
+        _warm_up(scheduler, tokenizer, stops)
     name = FLAGS.served_model_name or os.path.basename(os.path.normpath(model_path))
-    print(f"minicpm-jax: {name} loaded in {load_s:.1f} s, compiled in {time.perf_counter() - t:.1f} s; "
+    compiled = f"compiled in {time.perf_counter() - t:.1f} s" if FLAGS.warm_up else "not compiled (--nowarm_up)"
+    print(f"minicpm-jax: {name} loaded in {load_s:.1f} s, {compiled}; "
           f"{FLAGS.max_batch_size} slots × {model.max_length} tokens, {kv_description(engine)} ({model.attention_impl} attention, "
           f"{weights_description(model)} weights, sparse attention {sparse_description(model)}, speculative "
           f"{speculative_description(engine)}; prefill {scheduler.prefill_budget} tokens a step, decode blocks of "

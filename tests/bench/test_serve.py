@@ -14,7 +14,7 @@ pytestmark = pytest.mark.smollm2
 
 def test_load_generator_runs_every_scenario_and_writes_json(smollm2_dir, tmp_path):
     out = tmp_path / "serve.json"
-    serve.main(["--server", "demo=--max_batch_size 2 --max_length 160 --page_size 16",
+    serve.main(["--server", "demo=--max_batch_size 2 --max_length 160 --page_size 16 --nowarm_up",
                 "--scenarios", "load,interference,prefix", "--concurrency", "1,2", "--requests", "2",
                 "--prompt_range", "12,20", "--output_range", "2,4", "--shared_prefix_tokens", "40",
                 "--streams", "1", "--long_prompt_tokens", "100", "--stream_max_tokens", "120",

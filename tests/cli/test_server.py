@@ -288,7 +288,8 @@ def test_api_key_required(server):
 def test_full_queue_gets_429_and_the_api_survives_fuzzing(smollm2_dir):
     # A 64-token context (the 35-token prompt + 24): fuzzed requests without max_tokens generate to its end,
     # which was most of this test's time at 96.
-    small = Server("--max_batch_size", "1", "--max_queue", "1", "--max_length", "64", "--decode_block", "4")
+    small = Server("--max_batch_size", "1", "--max_queue", "1", "--max_length", "64", "--decode_block", "4",
+                   "--nowarm_up")
     try:
         body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 24,
                 "temperature": 0}
@@ -357,7 +358,7 @@ def test_sigterm_drains_then_exits_0(smollm2_dir):
     import threading
 
     s = Server("--max_batch_size", "2", "--max_queue", "4", "--max_length", "512", "--decode_block", "4",
-               "--shutdown_grace_s", "300")
+               "--shutdown_grace_s", "300", "--nowarm_up")
     try:
         short_alone = _sse(s.url, _body("Say hello.", 24))  # also compiles the steps
         results = {}

@@ -46,7 +46,7 @@ def checkpoint(smollm2_dir, tmp_path_factory):
 def server(checkpoint):
     # The contiguous cache (--kv_cache contiguous): the other server tests run the default, paged one.
     s = Server("--model_path", checkpoint, "--api_key", "sk-local", "--max_batch_size", "2", "--max_length", "512",
-               "--kv_cache", "contiguous")
+               "--kv_cache", "contiguous", "--nowarm_up")
     yield s
     s.stop()
 

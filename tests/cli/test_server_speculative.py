@@ -78,7 +78,7 @@ def _ask_stream(url: str, question: str) -> str:
 
 def test_speculative_server_gives_the_plain_greedy_answers(draft_dir, plain_answers):
     server = Server("--max_batch_size", "3", "--max_length", "256", "--draft_path", draft_dir, "--spec_num_iter", "3",
-                    "--spec_tree_size", "16")
+                    "--spec_tree_size", "16", "--nowarm_up")
     try:
         assert "speculative llama EAGLE draft, tree 16 (3 steps x top-10)" in server.output()
         with concurrent.futures.ThreadPoolExecutor(4) as pool:  # 4 requests on 3 slots: joins and a queue
