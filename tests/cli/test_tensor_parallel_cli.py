@@ -100,7 +100,8 @@ def test_server_of_a_split_model(small_llama):
     body = {"prompt": "Name three colours.", "max_tokens": 8, "temperature": 0}
     texts = []
     for flags in ((), ("--tensor_parallel", "2")):
-        server = Server("--model_path", small_llama, "--max_length", "128", "--max_batch_size", "2", "--nowarm_up", *flags)
+        server = Server("--model_path", small_llama, "--max_length", "128", "--max_batch_size", "2", "--nowarm_up",
+                        *flags)
         try:
             r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
