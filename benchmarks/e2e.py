@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.memory import program_memory
 from benchmarks.shapes import SHAPES, decode_weight_bytes, prefill_flops_per_token, random_model
 from benchmarks.timing import gpu_timeline, kernel_seconds
 from minicpm_jax.config import ModelConfig
@@ -55,6 +56,7 @@ class Row:
     top_kernels_us_per_step: dict | None = None  # the profile's longest kernels (one device), µs per decode step
     kv_cache: str = "contiguous"  # or "paged": the server's pool of pages
     gpu_timeline_per_step: dict | None = None  # profiled, one device: span / busy / gaps ms and launches a step
+    program_bytes: int | None = None  # the engine's largest program: arguments + outputs + temporaries
 
     @property
     def decode_ms(self) -> float:
@@ -181,14 +183,16 @@ def bench_end_to_end(shape: str, contexts: list[int], batch_size: int, decode_st
                       file=sys.stderr)
                 print("  GPU 0 per step: " + ", ".join(f"{k.replace('_s', ' ms')} {v:.3f}" for k, v in timeline.items()),
                       file=sys.stderr)
+        programs = program_memory(engine.steps.compiled)
         rows.append(Row(shape, impl, qname, ctx, batch_size, max_length, pre, dec, roofline_ms, prefill_roof, sparse,
                         cache_bytes, stats.get("peak_bytes_in_use"), tp.size, mesh is not None, allreduce, kernels,
-                        top, kv_cache, timeline))
+                        top, kv_cache, timeline, max(programs.values(), default=None)))
         print(f"  {shape} {impl} {qname} sparse={sparse} tp={tp.size}{' spmd' if mesh is not None else ''} "
               f"kv={kv_cache} ctx={ctx}: "
               f"decode {dec} ms/token (roofline {roofline_ms:.3f} ms), prefill {pre} tok/s"
               + (f", collectives {allreduce:.1f} us/layer" if allreduce is not None else "")
-              + (f", kernels {kernels:.3f} ms/step" if kernels is not None else ""), file=sys.stderr)
+              + (f", kernels {kernels:.3f} ms/step" if kernels is not None else "")
+              + (f", largest program {max(programs.values()) / 2**30:.2f} GiB" if programs else ""), file=sys.stderr)
     return rows
 
 

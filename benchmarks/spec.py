@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 from flax import nnx
 
+from benchmarks.memory import program_memory
 from benchmarks.timing import carried_loop_time
 from minicpm_jax.config import DraftSpec, ModelConfig
 from minicpm_jax.engine.engine import Engine
@@ -116,6 +117,15 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
             plain_bf16 = _ms(plain)
         row = {"quant": quant, "plain_ms_per_token": [1e3 * t for t in plain], "plain_prefill_tok_s": plain_prefill}
         print(f"  spec {quant}: plain {row['plain_ms_per_token']} ms/token", file=sys.stderr)
+        # Issue 42's memory bound: the engine's largest program (prefill chunk, decode block) against the
+        # weights + the engine's cache it runs over.
+        row["program_bytes"] = program_memory(engine.steps.compiled)
+        row["engine_weights_and_cache_bytes"] = _bytes(nnx.state(model)) + _bytes(engine.cache)
+        peak = max(row["program_bytes"].values(), default=0)
+        print(f"  spec {quant}: largest engine program {peak / 2**30:.2f} GiB = "
+              f"{peak / row['engine_weights_and_cache_bytes']:.2f}x weights + cache "
+              f"({row['engine_weights_and_cache_bytes'] / 2**30:.2f} GiB)", file=sys.stderr)
+        del engine  # its cache: the rows below carry one of their own
 
         # Verify forward vs plain decode forward, each as the engine runs it: the new tokens' K/V written
         # in place into a carried cache, whose lengths go back after each call so every call repeats the
@@ -209,7 +219,11 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
                                   "mean_accept_length": acc, "round_ms": round_ms, "split_ms": split,
                                   "speedup_vs_plain": _ms(plain) / statistics.median(ms),
                                   "speedup_vs_plain_bf16": plain_bf16 / statistics.median(ms)})
-            print(f"  spec {quant}: oracle {row['oracle'][-1]}", file=sys.stderr)
+            o = row["oracle"][-1]
+            o["program_bytes"] = program_memory(seng.steps.compiled)
+            o["weights_and_caches_bytes"] = (_bytes(nnx.state(model)) + _bytes(nnx.state(draft)) + _bytes(seng.cache)
+                                             + _bytes(seng.steps.dcache))
+            print(f"  spec {quant}: oracle {o}", file=sys.stderr)
             del seng
         # The device's peak so far (this row's programs and the rows before it; None off the GPU).
         row["peak_bytes_in_use"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
@@ -217,7 +231,7 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
         print(f"  spec {quant}: peak {row['peak_bytes_in_use']} bytes, weights + cache "
               f"{row['weights_and_cache_bytes']} bytes", file=sys.stderr)
         out["rows"].append(row)
-        del engine, model, draft
+        del model, draft
     out["plain_bf16_ms_per_token"] = plain_bf16
     return out
 
@@ -242,4 +256,14 @@ def spec_markdown(r: dict) -> str:
                          f"{statistics.median(o['prefill_tok_s']):,.0f} | {statistics.median(row['plain_ms_per_token']):.3f} | "
                          f"{o['speedup_vs_plain']:.2f}x | {o['speedup_vs_plain_bf16']:.2f}x | {o['round_ms']:.2f}: "
                          f"{s['draft']:.2f} / {s['verify']:.2f} / {s['compact']:.3f} / {s['accept_and_rest']:.2f} |")
+    lines += ["", "| weights | engine | largest program GiB (which) | weights + caches GiB | ratio |", "|---|---|---|---|---|"]
+    for row in r["rows"]:
+        runs = [("plain", row.get("program_bytes"), row.get("engine_weights_and_cache_bytes"))]
+        runs += [(f"speculative, accept {o['accept']}", o.get("program_bytes"), o.get("weights_and_caches_bytes"))
+                 for o in row["oracle"]]
+        for what, programs, base in runs:
+            if programs:
+                name, peak = max(programs.items(), key=lambda kv: kv[1])
+                lines.append(f"| {row['quant']} | {what} | {peak / 2**30:.2f} ({name}) | {base / 2**30:.2f} | "
+                             f"{peak / base:.2f}x |")
     return "\n".join(lines)

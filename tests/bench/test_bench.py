@@ -127,6 +127,7 @@ def test_bench_smoke_on_cpu(tmp_path):
         ("xla", "contiguous"), ("xla", "paged"), ("pallas", "contiguous"), ("pallas", "paged")]
     for row in result["rows"]:
         assert row["context"] == 40 and len(row["decode_ms_per_token"]) == 1 and row["decode_ms_per_token"][0] > 0
+        assert row["program_bytes"] > row["cache_bytes"] > 0  # the largest program holds the cache and more
     for kind in ("prefill", "decode"):
         sec = result["kernels"][kind][0]["seconds"]
         assert isinstance(sec["pallas"], list) and sec["pallas"][0] > 0
@@ -219,6 +220,11 @@ def test_bench_spec_smoke_on_cpu(tmp_path):
     assert oracle["mean_accept_length"] == 3.0 and oracle["frspec_vocab"] == 512
     assert set(oracle["split_ms"]) == {"draft", "verify", "compact", "accept_and_rest"}
     assert "| none | 3.00 | 12 (512) |" in r.stdout
+    # Every engine program holds at least the weights and cache it runs over (XLA's buffer assignment).
+    model_programs = [v for k, v in row["program_bytes"].items() if k.split("/")[0] in ("prefill", "decode")]
+    assert len(model_programs) == 2 and min(model_programs) >= row["engine_weights_and_cache_bytes"] > 0, row
+    assert max(oracle["program_bytes"].values()) >= oracle["weights_and_caches_bytes"] > row["engine_weights_and_cache_bytes"]
+    assert "| none | plain |" in r.stdout and "| none | speculative, accept 3.0 |" in r.stdout
 
 
 def test_plot_from_saved_json(tmp_path):
