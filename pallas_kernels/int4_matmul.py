@@ -19,8 +19,8 @@ Two kernels (``KERNELS``; :func:`default_kernel` picks one):
   row) or ``jnp.dot`` on the dequantized tile (2..``MAX_KERNEL_ROWS`` rows, padded to a multiple of 16).
   More than 64 rows and 2+ rows with scale groups under 128 run it.
 
-More than ``MAX_KERNEL_ROWS`` rows (prefill chunks) run :func:`int4_matmul_sliced`: XLA's GEMMs on weights
-dequantized a slice of output columns at a time inside a loop, so no dequantized weight outlives its GEMM.
+More than ``MAX_KERNEL_ROWS`` rows (prefill chunks) run :func:`int4_matmul_prefill`: the weight
+dequantized whole once the layer's input exists (so no layer's dequantized copy is held early), XLA's GEMM.
 
 Scales are applied once per group to the partial sum: ``Σ x·s·(q − z) = s·(Σ x·q − z·Σ x)``.
 
@@ -139,45 +139,28 @@ def int4_matmul_reference(x, qweight, scales, zeros=None, perm=None, *, group_si
     return jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision).astype(out_dtype or x.dtype)
 
 
-# Output columns per dequantized slice of a prefill GEMM: [K, 4096] bf16 (32 MB for MiniCPM4-8B's gate_up)
-# per step, and GEMMs of [rows, K] @ [K, 4096], large enough for the tensor cores.
-SLICE_COLUMNS = 4096
+def int4_matmul_prefill(x, qweight, scales, zeros=None, perm=None, *, group_size: int, out_dtype=None):
+    """:func:`int4_matmul_reference` (same signature, fp32 accumulation) for prefill chunks: the whole
+    weight dequantized at once (:func:`dequantize`), then one XLA (cuBLAS) GEMM.
 
-
-def int4_matmul_sliced(x, qweight, scales, zeros=None, perm=None, *, group_size: int, out_dtype=None,
-                       slice_columns: int = SLICE_COLUMNS):
-    """:func:`int4_matmul_reference` (same signature, fp32 accumulation) for long row counts, with the
-    weight dequantized a slice of output columns at a time in a ``lax.fori_loop`` (at most
-    ``slice_columns``, and at least two slices): one GEMM per slice over the whole K, written into its
-    columns of the result.
-
-    Why: the reference's dequantization depends on the parameters alone, so XLA's scheduler may start every
-    layer's early and a forward then holds all layers' dequantized weights at once — 13.4 GB of
-    temporaries in a 1024-token int4 prefill chunk of MiniCPM4-8B on an H200 (~30 bf16 [4096, 32768]
-    weights live together; 22.6 GB of program memory at 128K context). A loop that reads x cannot start
-    before x exists, and a slice dies with its iteration. An optimization barrier does not do this: XLA
-    removes it before scheduling."""
+    The dequantization reads a value of x (its first element times zero, added to the scales: exact, and
+    0 for a non-finite element too), so it cannot start before the layer's input exists. Without that it
+    depends on the parameters alone and XLA's scheduler may start every layer's early, holding all layers'
+    dequantized weights at once (the CPU compiler does; an int4 prefill chunk of MiniCPM4-8B on an H200
+    once held 13.4 GB of them). An optimization barrier does not do it: XLA removes barriers before
+    scheduling. Dequantizing a slice of columns at a time in a loop does, but costs ~10% of prefill
+    (docs/int4.md)."""
     k, n = _shape_kn(qweight)
-    cols = _largest_divisor(n, min(slice_columns, n // 2), 8)
-    if n % cols or cols == n:  # a width with no slice of 8 columns or more: one GEMM
-        return int4_matmul_reference(x, qweight, scales, zeros, perm, group_size=group_size, out_dtype=out_dtype)
     if perm is not None:
         x = jnp.take(x, perm, axis=-1)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
+    first = x2[0, 0]
+    scales = scales + (jnp.where(jnp.isfinite(first), first, 0) * 0).astype(scales.dtype)
+    w = dequantize(qweight, scales, zeros, group_size=group_size, dtype=x.dtype)
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    out_dtype = out_dtype or x.dtype
-
-    def body(i, y):
-        def cut(a):
-            return lax.dynamic_slice_in_dim(a, i * cols, cols, axis=1)
-        w = dequantize(cut(qweight), cut(scales), None if zeros is None else cut(zeros), group_size=group_size,
-                       dtype=x.dtype)
-        part = jnp.dot(x2, w, preferred_element_type=jnp.float32, precision=precision).astype(out_dtype)
-        return lax.dynamic_update_slice_in_dim(y, part, i * cols, axis=1)
-
-    y = lax.fori_loop(0, n // cols, body, jnp.zeros((x2.shape[0], n), out_dtype))
-    return y.reshape(*lead, n)
+    y = jnp.dot(x2, w, preferred_element_type=jnp.float32, precision=precision)
+    return y.astype(out_dtype or x.dtype).reshape(*lead, n)
 
 
 def _codes_to_f32(q: jax.Array) -> jax.Array:
@@ -417,8 +400,8 @@ def int4_matmul(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if m > MAX_KERNEL_ROWS and config is None:  # prefill chunks: dequantized slices, XLA's GEMMs
-        return int4_matmul_sliced(x, qweight, scales, zeros, perm, group_size=group_size, out_dtype=out_dtype)
+    if m > MAX_KERNEL_ROWS and config is None:  # prefill chunks: dequantize after x exists, XLA's GEMM
+        return int4_matmul_prefill(x, qweight, scales, zeros, perm, group_size=group_size, out_dtype=out_dtype)
     kernel = kernel or default_kernel(m, group_size)
     if kernel not in KERNELS:
         raise ValueError(f"unknown int4 kernel {kernel!r}; expected one of {KERNELS}")

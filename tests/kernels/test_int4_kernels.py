@@ -69,28 +69,32 @@ def test_int4_matmul_matches_numpy(k, n, gs, sym, act_order, m, splits, config):
 
 @pytest.mark.parametrize("gs,sym,act_order", [(32, False, True), (512, True, False), (64, True, False)],
                          ids=["asym-g32-actorder", "sym-perchannel", "sym-g64"])
-def test_prefill_chunks_dequantize_slices_of_columns(gs, sym, act_order):
-    """More than MAX_KERNEL_ROWS rows run int4_matmul_sliced: the same product as the float64 oracle,
-    with the weight dequantized 32 output columns at a time (4 slices of N=128; act-order permutes x
-    first)."""
+def test_prefill_chunks_match_the_oracle(gs, sym, act_order):
+    """More than MAX_KERNEL_ROWS rows run int4_matmul_prefill: the float64 oracle's product (act-order
+    permutes x first), also when the first element of x — which the dequantization reads — is not finite."""
     rng = np.random.default_rng(gs + sym)
     k, n, m = 512, 128, kern.MAX_KERNEL_ROWS + 3
     w = random_weight(rng, k, n, gs, sym=sym, act_order=act_order)
     arrays = {name: jnp.asarray(a) for name, a in int4.to_engine(w).items()}
     x = rng.standard_normal((1, m, k)).astype(np.float32)
     want = _oracle_y(x[0], w)
-    y = kern.int4_matmul_sliced(jnp.asarray(x), **arrays, group_size=gs, slice_columns=32)
+    y = kern.int4_matmul_prefill(jnp.asarray(x), **arrays, group_size=gs)
     assert y.shape == (1, m, n) and y.dtype == jnp.float32
     assert_close(y[0], want, 1e-5)
     assert_close(kern.int4_matmul(jnp.asarray(x), **arrays, group_size=gs)[0], want, 1e-5)  # the dispatch
+    perm = np.asarray(arrays["perm"]) if act_order else np.arange(k)
+    x[0, 0, perm[0]] = np.inf  # the element the dequantization reads: other rows must stay exact
+    y = kern.int4_matmul_prefill(jnp.asarray(x), **arrays, group_size=gs)
+    assert_close(y[0, 1:], want[1:], 1e-5)
 
 
 def test_prefill_holds_one_dequantized_weight_at_a_time():
     """A chain of int4 prefill linears (XLA's buffer assignment, compiled without running): with the whole
-    weight dequantized up front, the CPU compiler keeps every layer's dequantized copy live at once
-    (program memory grows by a weight per layer, as in a MiniCPM4-8B prefill chunk on the GPU: 13.4 GB);
-    with slices it grows by the activations only. (The GPU compiler does not hoist in a chain this small,
-    so there only the second half is asserted.)"""
+    weight dequantized from the parameters alone (the reference), the CPU compiler keeps every layer's
+    dequantized copy live at once (program memory grows by a weight per layer, as a MiniCPM4-8B prefill
+    chunk on an H200 once did: 13.4 GB); int4_matmul_prefill, whose dequantization reads x, grows by the
+    activations only. (The GPU compiler does not hoist in a chain this small, so there only the second
+    half is asserted.)"""
     import jax
 
     k, n, m = 4096, 4096, kern.MAX_KERNEL_ROWS + 4
@@ -109,8 +113,8 @@ def test_prefill_holds_one_dequantized_weight_at_a_time():
     if jax.default_backend() == "cpu":
         whole = temp_bytes(kern.int4_matmul_reference, 6) - temp_bytes(kern.int4_matmul_reference, 1)
         assert whole > 3 * weight_bytes  # the failure this guards against is real on this compiler
-    sliced = temp_bytes(kern.int4_matmul_sliced, 6) - temp_bytes(kern.int4_matmul_sliced, 1)
-    assert sliced < weight_bytes
+    prefill = temp_bytes(kern.int4_matmul_prefill, 6) - temp_bytes(kern.int4_matmul_prefill, 1)
+    assert prefill < weight_bytes
 
 
 def test_int4_matmul_leading_dims_and_gptq_checkpoint():
