@@ -183,16 +183,16 @@ def bench_end_to_end(shape: str, contexts: list[int], batch_size: int, decode_st
                       file=sys.stderr)
                 print("  GPU 0 per step: " + ", ".join(f"{k.replace('_s', ' ms')} {v:.3f}" for k, v in timeline.items()),
                       file=sys.stderr)
-        programs = program_memory(engine.steps.compiled)
+        largest = max(program_memory(engine.steps.compiled).values(), default=None)
         rows.append(Row(shape, impl, qname, ctx, batch_size, max_length, pre, dec, roofline_ms, prefill_roof, sparse,
                         cache_bytes, stats.get("peak_bytes_in_use"), tp.size, mesh is not None, allreduce, kernels,
-                        top, kv_cache, timeline, max(programs.values(), default=None)))
+                        top, kv_cache, timeline, largest))
         print(f"  {shape} {impl} {qname} sparse={sparse} tp={tp.size}{' spmd' if mesh is not None else ''} "
               f"kv={kv_cache} ctx={ctx}: "
               f"decode {dec} ms/token (roofline {roofline_ms:.3f} ms), prefill {pre} tok/s"
               + (f", collectives {allreduce:.1f} us/layer" if allreduce is not None else "")
               + (f", kernels {kernels:.3f} ms/step" if kernels is not None else "")
-              + (f", largest program {max(programs.values()) / 2**30:.2f} GiB" if programs else ""), file=sys.stderr)
+              + (f", largest program {largest / 2**30:.2f} GiB" if largest is not None else ""), file=sys.stderr)
     return rows
 
 

@@ -120,11 +120,11 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
         # Issue 42's memory bound: the engine's largest program (prefill chunk, decode block) against the
         # weights + the engine's cache it runs over.
         row["program_bytes"] = program_memory(engine.steps.compiled)
-        row["engine_weights_and_cache_bytes"] = _bytes(nnx.state(model)) + _bytes(engine.cache)
+        row["weights_and_cache_bytes"] = _bytes(nnx.state(model)) + _bytes(engine.cache)
         peak = max(row["program_bytes"].values(), default=0)
         print(f"  spec {quant}: largest engine program {peak / 2**30:.2f} GiB = "
-              f"{peak / row['engine_weights_and_cache_bytes']:.2f}x weights + cache "
-              f"({row['engine_weights_and_cache_bytes'] / 2**30:.2f} GiB)", file=sys.stderr)
+              f"{peak / row['weights_and_cache_bytes']:.2f}x weights + cache "
+              f"({row['weights_and_cache_bytes'] / 2**30:.2f} GiB)", file=sys.stderr)
         del engine  # its cache: the rows below carry one of their own
 
         # Verify forward vs plain decode forward, each as the engine runs it: the new tokens' K/V written
@@ -227,9 +227,7 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
             del seng
         # The device's peak so far (this row's programs and the rows before it; None off the GPU).
         row["peak_bytes_in_use"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
-        row["weights_and_cache_bytes"] = _bytes(state) + _bytes(cache)
-        print(f"  spec {quant}: peak {row['peak_bytes_in_use']} bytes, weights + cache "
-              f"{row['weights_and_cache_bytes']} bytes", file=sys.stderr)
+        print(f"  spec {quant}: device peak {row['peak_bytes_in_use']} bytes", file=sys.stderr)
         out["rows"].append(row)
         del model, draft
     out["plain_bf16_ms_per_token"] = plain_bf16
@@ -258,7 +256,7 @@ def spec_markdown(r: dict) -> str:
                          f"{s['draft']:.2f} / {s['verify']:.2f} / {s['compact']:.3f} / {s['accept_and_rest']:.2f} |")
     lines += ["", "| weights | engine | largest program GiB (which) | weights + caches GiB | ratio |", "|---|---|---|---|---|"]
     for row in r["rows"]:
-        runs = [("plain", row.get("program_bytes"), row.get("engine_weights_and_cache_bytes"))]
+        runs = [("plain", row.get("program_bytes"), row.get("weights_and_cache_bytes"))]
         runs += [(f"speculative, accept {o['accept']}", o.get("program_bytes"), o.get("weights_and_caches_bytes"))
                  for o in row["oracle"]]
         for what, programs, base in runs:

@@ -140,27 +140,18 @@ def int4_matmul_reference(x, qweight, scales, zeros=None, perm=None, *, group_si
 
 
 def int4_matmul_prefill(x, qweight, scales, zeros=None, perm=None, *, group_size: int, out_dtype=None):
-    """:func:`int4_matmul_reference` (same signature, fp32 accumulation) for prefill chunks: the whole
-    weight dequantized at once (:func:`dequantize`), then one XLA (cuBLAS) GEMM.
+    """:func:`int4_matmul_reference` (same signature: the whole weight dequantized, then one XLA GEMM) for
+    prefill chunks, with the dequantization made to read x: x's first element times zero is added to the
+    scales (exact; 0 for a non-finite element too), so it cannot start before the layer's input exists.
 
-    The dequantization reads a value of x (its first element times zero, added to the scales: exact, and
-    0 for a non-finite element too), so it cannot start before the layer's input exists. Without that it
-    depends on the parameters alone and XLA's scheduler may start every layer's early, holding all layers'
-    dequantized weights at once (the CPU compiler does; an int4 prefill chunk of MiniCPM4-8B on an H200
-    once held 13.4 GB of them). An optimization barrier does not do it: XLA removes barriers before
-    scheduling. Dequantizing a slice of columns at a time in a loop does, but costs ~10% of prefill
+    From the parameters alone XLA's scheduler may start every layer's dequantization early and hold all
+    layers' dequantized weights at once (the CPU compiler does; an int4 prefill chunk of MiniCPM4-8B on an
+    H200 once held 13.4 GB of them). An optimization barrier does not prevent it (XLA removes barriers
+    before scheduling); dequantizing a slice of columns at a time in a loop does, at 0–14% of prefill
     (docs/int4.md)."""
-    k, n = _shape_kn(qweight)
-    if perm is not None:
-        x = jnp.take(x, perm, axis=-1)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    first = x2[0, 0]
+    first = x.reshape(-1)[0]
     scales = scales + (jnp.where(jnp.isfinite(first), first, 0) * 0).astype(scales.dtype)
-    w = dequantize(qweight, scales, zeros, group_size=group_size, dtype=x.dtype)
-    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    y = jnp.dot(x2, w, preferred_element_type=jnp.float32, precision=precision)
-    return y.astype(out_dtype or x.dtype).reshape(*lead, n)
+    return int4_matmul_reference(x, qweight, scales, zeros, perm, group_size=group_size, out_dtype=out_dtype)
 
 
 def _codes_to_f32(q: jax.Array) -> jax.Array:
