@@ -55,40 +55,46 @@ class GPTQSettings:
 
 
 class _Capture(nnx.Module):
-    """Wraps a linear and keeps its latest input (float32 ``[n, K]``) in ``sink[key]``."""
+    """Wraps a linear and keeps its latest input (float32 ``[n, K]``) in ``sink[key]`` (``sink`` None:
+    keeps nothing). With ``feed`` (that input as an earlier pass kept it) the linear runs on ``feed``
+    instead of what it is called with, so XLA drops the layer's work that only led there."""
 
-    def __init__(self, linear, key, sink: dict):
-        self.linear, self.key, self.sink = linear, key, sink
+    def __init__(self, linear, key, sink: dict | None, feed=None):
+        self.linear, self.key, self.sink, self.feed = linear, key, sink, feed
 
     def __call__(self, x):
-        self._keep(x)
-        return self.linear(x)
+        return self.linear(self._input(x))
 
     def partial(self, x):
         """The linear's :meth:`~minicpm_jax.model.layers.Linear.partial` (what ``o_proj`` and ``down_proj``
         are called through), input kept."""
-        self._keep(x)
-        return self.linear.partial(x)
+        return self.linear.partial(self._input(x))
 
-    def _keep(self, x):
-        self.sink[self.key] = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    def _input(self, x):
+        if self.feed is not None:
+            x = self.feed.reshape(x.shape).astype(x.dtype)
+        if self.sink is not None:
+            self.sink[self.key] = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+        return x
 
 
 class _LayerRunner:
     """Runs one decoder layer over the calibration batch ``[S, T, hidden]`` under ``jax.jit`` and returns
     its output and the inputs of the linears asked for. Every layer has the same structure, so each set of
-    captured linears compiles once (eager, the op-by-op forward was two thirds of GPTQ's time on a CPU)."""
+    captured (and fed) linears compiles once (eager, the op-by-op forward was two thirds of GPTQ's time on
+    a CPU)."""
 
     def __init__(self, config: ModelConfig, s: int, t: int):
         self._graphdef = None  # taken from the first layer: a GraphDef compares by identity, so a static
         # argument of each layer's own would recompile every call
 
-        def forward(state, h, names, output):
+        def forward(state, h, names, output, feeds):
             layer = nnx.merge(self._graphdef, state)
             sink = {}
-            for module, name in names:
+            for module, name in dict.fromkeys([*names, *feeds]):
                 parent = getattr(layer, module)
-                setattr(parent, name, _Capture(getattr(parent, name), (module, name), sink))
+                setattr(parent, name, _Capture(getattr(parent, name), (module, name),
+                                               sink if (module, name) in names else None, feeds.get((module, name))))
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (s, t))
             out = layer(h, positions, jnp.ones((s, t), bool), KVCache.create(config, s, t, jnp.float32),
                         jnp.full((s,), t, jnp.int32))[0]
@@ -96,13 +102,15 @@ class _LayerRunner:
 
         self._forward = jax.jit(forward, static_argnums=(2, 3))
 
-    def __call__(self, layer, h, names=(), output: bool = True) -> tuple[jax.Array | None, dict]:
+    def __call__(self, layer, h, names=(), output: bool = True, feeds=None) -> tuple[jax.Array | None, dict]:
         """``(output [S, T, hidden], {(module, name): input f32 [S*T, K]})`` for the linears ``names``.
-        With ``output=False`` the output is None and XLA drops the work after the last captured input."""
+        With ``output=False`` the output is None and XLA drops the work after the last captured input.
+        ``feeds``: ``{(module, name): input [S*T, K]}`` the linears run on instead of their own inputs (as
+        an earlier pass captured them: the same values where the weights before them are unchanged)."""
         graphdef, state = nnx.split(layer)
         if self._graphdef is None:
             self._graphdef = graphdef
-        return self._forward(state, h, tuple(names), output)
+        return self._forward(state, h, tuple(names), output, dict(feeds or {}))
 
 
 def calibration_tokens(src: str, text_file: str, settings: GPTQSettings) -> np.ndarray:
@@ -158,11 +166,19 @@ def gptq_calibrate(model, tokens: np.ndarray, spec: QuantSpec, settings: GPTQSet
             x, _ = run(layer, x)
             continue
         x_ref, ref_inputs = run(layer, x_ref, list(linears))  # still the full-precision weights
+        # Each pass starts at the linear quantized last, fed the input the pass before kept (quantizing a
+        # linear does not change its own input): XLA drops the layer's front instead of recomputing it,
+        # the same values for about 3/5 of the work (this path's attention runs once a layer, not four times).
+        inputs, before = {}, None
         for (module, name), linear in linears.items():
+            feeds = {before: inputs[before]} if before else {}
+            inputs.update(run(layer, x, [(module, name)], output=False, feeds=feeds)[1])
             acc = HessianAccumulator(linear.kernel.shape[0])
-            acc.add(run(layer, x, [(module, name)], output=False)[1][(module, name)], ref_inputs[(module, name)])
+            acc.add(inputs[(module, name)], ref_inputs[(module, name)])
             quantize(i, module, name, linear, acc)
-        x, _ = run(layer, x)
+            before = (module, name)
+        # The output: o_proj on its kept input gives the residual, down_proj on its own the MLP's output.
+        x, _ = run(layer, x, feeds={key: inputs[key] for key in (("self_attn", "o_proj"), ("mlp", "down_proj"))})
     return out
 
 
