@@ -64,6 +64,13 @@ flags.DEFINE_boolean("warm_up", True, "Compile every prefill shape and decode pr
                      "request meets a compilation; --nowarm_up listens at once and compiles each program when a "
                      "request first needs it (development: the first requests of a shape stall every stream).",
                      module_name=_H)
+# The scheduler's SERVED_SAMPLING, written out: the flags are defined before jax is imported.
+WARM_UP_SAMPLING_PATHS = ["temperature", "filtered"]
+flags.DEFINE_multi_enum("warm_up_sampling", WARM_UP_SAMPLING_PATHS, WARM_UP_SAMPLING_PATHS,
+                        "Sampling paths whose decode programs the warm-up compiles (repeatable): temperature "
+                        "(greedy and temperature-only requests), filtered (top-k / top-p). Leaving one out is "
+                        "for servers whose requests never take it (tests): such a request would compile it.",
+                        module_name=_H)
 flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"],
                   "Server log level; info writes an access line per request to stderr.", module_name=_H)
 
@@ -251,15 +258,16 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def _warm_up(scheduler, tokenizer, stops: list[int]) -> None:
     """Compiles what requests meet before the first arrives: every prefill shape the scheduler can
     dispatch (:meth:`~minicpm_jax.engine.scheduler.Scheduler.compile_prefill`) and every first-token and
-    decode program (:meth:`~minicpm_jax.engine.scheduler.Scheduler.compile_decode`); then a few requests,
-    with and without log-probabilities, check generation end to end before the server listens."""
+    decode program (:meth:`~minicpm_jax.engine.scheduler.Scheduler.compile_decode`, on the sampling paths
+    of ``--warm_up_sampling``); then a few requests, with and without log-probabilities, check generation
+    end to end before the server listens."""
     from minicpm_jax.engine.sampling import SamplingParams
     from minicpm_jax.engine.scheduler import Request
     from minicpm_jax.tokenizer import encode_prompt
 
     ids = encode_prompt(tokenizer, "Hello", use_chat_template=False) or [0]
     scheduler.compile_prefill(ids[0])
-    scheduler.compile_decode()
+    scheduler.compile_decode(tuple(FLAGS.warm_up_sampling))
     long = (ids * scheduler.piece)[: min(scheduler.piece, scheduler.engine.max_length - 3)]
     short = long[: max(1, len(long) // 2)]
     errors = []

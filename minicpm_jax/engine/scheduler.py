@@ -554,19 +554,24 @@ class Scheduler:
                 self.engine.reset()
         self.engine.reset()
 
-    def compile_decode(self) -> None:
+    def compile_decode(self, sampling: tuple[str, ...] = SERVED_SAMPLING) -> None:
         """Compiles every decode program the steps may dispatch, so no request waits for one: the first token
         and a decode block on both sampling paths (:data:`SERVED_SAMPLING`), with and without
         log-probabilities (those run every slot); a paged engine decodes only its running rows, padded to a
         count of :func:`~minicpm_jax.engine.engine.decode_row_counts`, so each such count. Runs them on
-        finished rows and keeps nothing. Only before :meth:`start`, with every slot idle."""
+        finished rows and keeps nothing. Only before :meth:`start`, with every slot idle.
+
+        ``sampling``: the paths to compile (default both). Fewer is for servers that know their requests
+        (a test's never ask for top-k / top-p): a request on a path left out compiles it when it comes."""
         eng = self.engine
         if self._thread is not None or any(self.slots):
             raise MiniCPMError("compile_decode runs before the scheduler starts, with every slot idle")
+        if not set(sampling) <= set(SERVED_SAMPLING):
+            raise MiniCPMError(f"compile_decode compiles the served sampling paths {SERVED_SAMPLING}, got {sampling}")
         counts = decode_row_counts(eng.batch_size) if eng.paged and eng.steps.decodes_rows else [None]
         logits = jnp.zeros((eng.batch_size, eng.config.vocab_size), jnp.float32)
         idle = jnp.zeros(eng.batch_size, bool)
-        for kind in SERVED_SAMPLING:
+        for kind in sampling:
             for lp in [0] + ([TOP_LOGPROBS] if eng.has_logprobs else []):
                 eng.first_token(self._ds, logits, idle, kind, logprobs=lp)
             eng.start(self._ds)  # every slot finished (a speculative step set needs a started state)

@@ -309,6 +309,12 @@ def test_prefill_steps_run_only_the_precompiled_shapes_over_their_own_rows(tiny_
 
     # compile_decode: the first token and the decode block on both served sampling paths, with and without
     # log-probabilities; never "auto" (its on-device choice is a conditional that syncs the host on a GPU).
+    # A server may ask for one path (--warm_up_sampling): the other is then left to its first request.
+    sched.compile_decode(("temperature",))
+    assert {dict(k[2])["sampling"] for k in engine.steps.compiled.executables if k[0] in ("first", "decode")} \
+        == {"temperature"}
+    with pytest.raises(MiniCPMError, match="served sampling paths"):
+        sched.compile_decode(("greedy",))
     sched.compile_decode()
     compiled = set(engine.steps.compiled.executables)
     assert {(k[0], dict(k[2])["sampling"], dict(k[2]).get("logprobs", 0)) for k in compiled
