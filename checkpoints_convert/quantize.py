@@ -177,8 +177,9 @@ def gptq_calibrate(model, tokens: np.ndarray, spec: QuantSpec, settings: GPTQSet
             acc.add(inputs[(module, name)], ref_inputs[(module, name)])
             quantize(i, module, name, linear, acc)
             before = (module, name)
-        # The output: o_proj on its kept input gives the residual, down_proj on its own the MLP's output.
-        x, _ = run(layer, x, feeds={key: inputs[key] for key in (("self_attn", "o_proj"), ("mlp", "down_proj"))})
+        # The output: each sublayer's last linear (o_proj, down_proj) fed its kept input.
+        last = {module: (module, name) for module, name in linears}
+        x, _ = run(layer, x, feeds={key: inputs[key] for key in last.values()})
     return out
 
 

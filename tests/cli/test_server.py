@@ -507,11 +507,17 @@ def test_scratch_rows_are_a_power_of_two_up_to_an_eighth_of_the_slots():
 
 
 def test_warm_up_sampling_names_the_served_sampling_paths():
-    """``--warm_up_sampling`` lists the scheduler's paths (written out: the flags are defined before jax)."""
+    """``--warm_up_sampling`` lists the scheduler's paths (written out: the flags are defined before jax); any
+    other name is one error line before anything loads."""
     from minicpm_jax.cli.server import WARM_UP_SAMPLING_PATHS
     from minicpm_jax.engine.scheduler import SERVED_SAMPLING
 
     assert tuple(WARM_UP_SAMPLING_PATHS) == SERVED_SAMPLING
+    r = subprocess.run([sys.executable, "-m", "minicpm_jax.server", "--warm_up_sampling", "greedy"],
+                       capture_output=True, text=True, timeout=120, env=os.environ)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "--warm_up_sampling=greedy: value should be one of <temperature|filtered>" in lines[0], r.stderr
 
 
 def test_stream_events_coalesce_per_choice_in_order():
