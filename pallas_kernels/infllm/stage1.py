@@ -115,16 +115,25 @@ def _lse_kernel(*refs, qk_scale, kernel2, stride2, block_n, n2, blocks_per_split
 
 
 def _score_kernel(*refs, qk_scale, group, group_pad, kernel1, stride1, block_n, n1, blocks_per_split, tokens,
-                  page_size=None):
-    """Pass 2, one split of the fine keys: the LSE merged from pass 1's per-split max/sum (``[S, rows]``),
-    then exp2(s - LSE) summed over each token's heads."""
-    pages_ref, (q_ref, pos_ref, m_ref, l_ref, k1_ref, o_ref) = paged_refs(refs, 1, page_size)
+                  page_size=None, has_extra=False):
+    """Pass 2, one split of the fine keys: the LSE merged from pass 1's per-split max/sum (``[S, rows]``)
+    and, with ``has_extra``, one more key's logit per row (``[1, rows]``, log2 units, -inf: none), then
+    exp2(s - LSE) summed over each token's heads."""
+    pages_ref, refs = paged_refs(refs, 1, page_size)
+    q_ref, pos_ref, m_ref, l_ref = refs[:4]
+    e_ref, k1_ref, o_ref = refs[4:] if has_extra else (None, *refs[4:])
     q = q_ref[...]
     rows = q.shape[0]
     pos = _row_positions(pos_ref, rows, tokens, group_pad)
     m_part, l_part = m_ref[...], l_ref[...]
     top = jnp.max(m_part, axis=0)
+    if has_extra:
+        e = e_ref[0, :]
+        has_e = e > MASKED  # -inf: no extra key for this row
+        top = jnp.maximum(top, jnp.where(has_e, e, MASKED))
     total = jnp.sum(l_part * jnp.exp2(m_part - top[None, :]), axis=0)
+    if has_extra:
+        total = total + jnp.where(has_e, jnp.exp2(jnp.where(has_e, e, top) - top), 0.0)
     seen = total > 0.0
     lse = jnp.where(seen, top + jnp.log2(jnp.where(seen, total, 1.0)), MASKED)
     out_rows = o_ref.shape[0]
@@ -254,16 +263,16 @@ def compressed_scores_tiled(
         out_shape=[jax.ShapeDtypeStruct((b, kvh, splits2, t_pad * group_pad), jnp.float32)] * 2,
         name="minicpm_infllm_lse", **opts,
     )(*table, qr, pos, k2)
-    if extra_logits is not None:  # one more coarse key per (token, head) joins the LSE: one more partial
+    parts = m.shape[2]
+    extra = []
+    if extra_logits is not None:
+        # One more coarse key per (token, head) joins the LSE: its logit (log2 units; -inf: none) is a third
+        # input of pass 2, merged there with the partials. Appending it to m and l instead cost two
+        # concatenations, each recomputing the logit (XLA duplicates the producer into both), ~10 us each
+        # per layer in a 12-node verify at 128K (H200).
         e = extra_logits.astype(jnp.float32).reshape(b, t, kvh, group).transpose(0, 2, 1, 3) * LOG2E
         e = jnp.pad(e, ((0, 0), (0, 0), (0, t_pad - t), (0, group_pad - group)), constant_values=-jnp.inf)
-        e = e.reshape(b, kvh, 1, t_pad * group_pad)
-        pad = next_power_of_2(splits2 + 1) - splits2
-        m = jnp.concatenate([m, jnp.where(jnp.isneginf(e), MASKED, e),
-                             jnp.full((b, kvh, pad - 1, t_pad * group_pad), MASKED, jnp.float32)], axis=2)
-        l = jnp.concatenate([l, jnp.where(jnp.isneginf(e), 0.0, 1.0),
-                             jnp.zeros((b, kvh, pad - 1, t_pad * group_pad), jnp.float32)], axis=2)
-    parts = m.shape[2]
+        extra = [e.reshape(b, kvh, 1, t_pad * group_pad)]
 
     blocks1 = pl.cdiv(n1, block_n)
     splits1 = num_splits or _splits(blocks1, b * kvh * n_t)
@@ -272,13 +281,15 @@ def compressed_scores_tiled(
     out = pl.pallas_call(
         functools.partial(_score_kernel, qk_scale=scale * LOG2E, group=group, group_pad=group_pad, kernel1=kernel1,
                           stride1=stride1, block_n=block_n, n1=n1, blocks_per_split=per1, tokens=tokens,
-                          page_size=page_size),
+                          page_size=page_size, has_extra=bool(extra)),
         grid=(b, kvh, n_t, splits1),
-        in_specs=[*pages, q_spec, pos_spec, parts_spec, parts_spec, comp_spec(k1.shape[-2] if paged else n1)],
+        in_specs=[*pages, q_spec, pos_spec, parts_spec, parts_spec,
+                  *[pl.BlockSpec((None, None, 1, rows), lambda i, j, n, s: (i, j, 0, n))] * len(extra),
+                  comp_spec(k1.shape[-2] if paged else n1)],
         out_specs=pl.BlockSpec((None, None, out_rows, n1), lambda i, j, n, s: (i, j, n, 0)),
         out_shape=jax.ShapeDtypeStruct((b, kvh, n_t * out_rows, n1), scores_dtype(q.dtype)),
         name="minicpm_infllm_scores", **opts,
-    )(*table, qr, pos, m, l, k1)
+    )(*table, qr, pos, m, l, *extra, k1)
     return out, tokens
 
 

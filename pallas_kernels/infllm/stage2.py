@@ -249,7 +249,7 @@ def local_window_attention(
         k, v, layer, cfg, q, q_positions, block_q = prefill_tiles(q, k, v, q_positions, kv_lengths, layer=layer,
                                                                   config=config)
         block_k = key_block(cfg.block_k, k.shape[3])
-    kvh, s = k.shape[-3], k.shape[-2]
+    kvh = k.shape[-3]
     group = h // kvh
     t_pad = q.shape[1]
     n_q = t_pad // block_q
