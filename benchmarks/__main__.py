@@ -115,7 +115,8 @@ flags.DEFINE_list("kv_caches", ["contiguous"], "e2e: KV cache layouts to run (co
 flags.DEFINE_integer("batch_size", 1, "Sequences decoded together.")
 flags.DEFINE_integer("decode_steps", 128, "Tokens decoded per timed run.")
 flags.DEFINE_integer("decode_block", 32, "Decode steps per host round trip.")
-flags.DEFINE_enum("tp_all_reduce", "xla", ["xla", "nccl"], "e2e: the all-reduce of split models, as run's flag.")
+flags.DEFINE_enum("tp_all_reduce", "xla", ["xla", "nccl", "peer"], "e2e: the all-reduce of split models, as "
+                  "run's flag.")
 flags.DEFINE_integer("chunk_length", 1024, "Prefill chunk length.")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Weight/activation dtype.")
 flags.DEFINE_integer("repeats", 2, "Timed repeats per row (all are reported, to show the spread).")
@@ -274,7 +275,8 @@ def _main():
                                                      bandwidth, flops, FLAGS.max_length, dump_hlo, attention_impl=impl,
                                                      quant=quant_spec if quant == "int4" else None, sparse=sparse,
                                                      tensor_parallel=n, spmd=spmd,
-                                                     profile_collectives=FLAGS.profile_collectives, kv_cache=kv)
+                                                     profile_collectives=FLAGS.profile_collectives, kv_cache=kv,
+                                                     peer_all_reduce=FLAGS.tp_all_reduce == "peer")
                             dump_hlo = None
         result["rows"] = [dict(dataclasses.asdict(r), pct_roofline=r.pct_roofline) for r in rows]
         tables.append(markdown(rows, bandwidth, flops, device, result.get("peer"), result.get("torch_peer"),

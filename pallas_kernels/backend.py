@@ -56,6 +56,12 @@ def resolve(name: str, head_dim: int) -> str:
 
 
 
+def reduces_through_peers(name: str) -> bool:
+    """Whether backend ``name``'s ``residual_add`` ops use a mesh's peer-memory workspace (the pallas kernel
+    of :mod:`pallas_kernels.peer_all_reduce`) rather than XLA's all-reduce."""
+    return get(name) is triton
+
+
 def interprets(name: str) -> bool:
     """Whether backend ``name``'s kernels run in Pallas interpret mode here (no GPU): correct, but meant for
     tests, and orders of magnitude slower than the references."""

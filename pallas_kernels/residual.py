@@ -6,9 +6,11 @@ output. The reduction sits here, at the block boundary, not inside the linear (a
 places it): a collective that also adds the residual and normalises (the fused all-reduce + add + RMSNorm
 of SGLang's and vLLM's custom all-reduce) is then one op with one signature. Only the references exist:
 XLA's all-reduce (``lax.psum``, which XLA lowers to NCCL or its one-shot kernel), then the add and the norm
-as XLA fuses them. A Pallas collective kernel would be the ``pallas`` namespace's op beside them. A Pallas
-add + norm without the collective was measured slower on one GPU (docs/lab_notes, twenty-seventh
-session): XLA fuses the preceding GEMM's split-K reduction into the add, which a custom call cannot absorb.
+as XLA fuses them. The ``pallas`` namespace's ops (:func:`residual_add`, :func:`residual_add_norm`) reduce
+through :func:`~pallas_kernels.peer_all_reduce.peer_all_reduce` when the axis has a peer-memory workspace
+(``peers``) and the message fits, so XLA keeps the whole step in one CUDA graph; the add and the norm stay
+XLA's fusion. A Pallas add + norm was measured slower on one GPU (docs/lab_notes, twenty-seventh session):
+XLA fuses the preceding GEMM's split-K reduction into the add, which a custom call cannot absorb.
 
 Shapes: ``partial [..., H]`` (fp32 when it is a partial sum over devices, else the residual's dtype),
 ``residual [..., H]`` (the activation dtype), ``weight [H]``; results in the residual's dtype.
@@ -22,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.peer_all_reduce import PeerWorkspace, fits, peer_all_reduce
+
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """``x * rsqrt(mean(x^2) + eps) * weight`` with fp32 statistics, as the HF code: normalised in fp32,
@@ -31,17 +35,46 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return normed.astype(x.dtype) * weight.astype(x.dtype)
 
 
-def residual_add_reference(partial: jax.Array, residual: jax.Array, scale: float, *,
-                           axis_name: Hashable | None = None) -> jax.Array:
-    """``residual + sum(partial) * scale``: ``partial`` summed over the devices of mesh axis ``axis_name``
-    (None: it is the whole output already), rounded to the residual's dtype, then scaled and added."""
-    total = partial if axis_name is None else lax.psum(partial, axis_name)
+def _add(total: jax.Array, residual: jax.Array, scale: float) -> jax.Array:
     return residual + total.astype(residual.dtype) * jnp.asarray(scale, residual.dtype)
 
 
+def residual_add_reference(partial: jax.Array, residual: jax.Array, scale: float, *,
+                           axis_name: Hashable | None = None, peers: PeerWorkspace | None = None) -> jax.Array:
+    """``residual + sum(partial) * scale``: ``partial`` summed over the devices of mesh axis ``axis_name``
+    (None: it is the whole output already; ``lax.psum``), rounded to the residual's dtype, then scaled and
+    added. ``peers`` (the axis' peer-memory workspace) does not change the result: the reference ignores it."""
+    del peers
+    return _add(partial if axis_name is None else lax.psum(partial, axis_name), residual, scale)
+
+
 def residual_add_norm_reference(partial: jax.Array, residual: jax.Array, scale: float, weight: jax.Array, *,
-                                eps: float, axis_name: Hashable | None = None) -> tuple[jax.Array, jax.Array]:
+                                eps: float, axis_name: Hashable | None = None,
+                                peers: PeerWorkspace | None = None) -> tuple[jax.Array, jax.Array]:
     """:func:`residual_add_reference`, and the RMSNorm (``weight``, ``eps``) of its result: ``(residual',
     rms_norm(residual'))`` — the input of the next sublayer."""
-    h = residual_add_reference(partial, residual, scale, axis_name=axis_name)
+    h = residual_add_reference(partial, residual, scale, axis_name=axis_name, peers=peers)
+    return h, rms_norm(h, weight, eps)
+
+
+def _reduce(partial: jax.Array, axis_name: Hashable | None, peers: PeerWorkspace | None) -> jax.Array:
+    if axis_name is None:
+        return partial
+    if fits(partial, peers):
+        return peer_all_reduce(partial, peers, axis_name)
+    return lax.psum(partial, axis_name)  # no workspace, or a prefill chunk's message: XLA's collective
+
+
+def residual_add(partial: jax.Array, residual: jax.Array, scale: float, *, axis_name: Hashable | None = None,
+                 peers: PeerWorkspace | None = None) -> jax.Array:
+    """:func:`residual_add_reference`, reduced through the peer-memory kernel when ``peers`` is given and the
+    message fits (:func:`~pallas_kernels.peer_all_reduce.fits`), else through ``lax.psum``."""
+    return _add(_reduce(partial, axis_name, peers), residual, scale)
+
+
+def residual_add_norm(partial: jax.Array, residual: jax.Array, scale: float, weight: jax.Array, *, eps: float,
+                      axis_name: Hashable | None = None,
+                      peers: PeerWorkspace | None = None) -> tuple[jax.Array, jax.Array]:
+    """:func:`residual_add_norm_reference` with :func:`residual_add`'s reduction."""
+    h = residual_add(partial, residual, scale, axis_name=axis_name, peers=peers)
     return h, rms_norm(h, weight, eps)

@@ -26,8 +26,7 @@ from pallas_kernels.int4_matmul import int4_matmul
 from pallas_kernels.launch import is_power_of_2
 from pallas_kernels.matmul import matmul
 # No collective kernel yet: the reference (XLA's all-reduce, then the add and the norm XLA fuses).
-from pallas_kernels.residual import residual_add_norm_reference as residual_add_norm
-from pallas_kernels.residual import residual_add_reference as residual_add
+from pallas_kernels.residual import residual_add, residual_add_norm
 from pallas_kernels.tree_attention import paged_tree_attention, tree_attention
 
 __all__ = ["attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul",

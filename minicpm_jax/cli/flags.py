@@ -69,9 +69,10 @@ flags.DEFINE_integer("frspec_vocab_size", 32768, "FR-Spec: keep this many most f
 flags.DEFINE_integer("tensor_parallel", 1, "Split the model over this many devices (tensor parallelism over JAX SPMD: "
                      "attention heads, MLP channels and vocabulary; the KV cache with its heads). 1 = one device.",
                      module_name=_PA)
-flags.DEFINE_enum("tp_all_reduce", "xla", ["xla", "nccl"], "All-reduce of a split model: xla (XLA's own one-shot "
-                  "kernel for small messages) or nccl (cheaper to launch from the host; with --decode_block 1 a bf16 "
-                  "MiniCPM4-8B decoded 1.22x faster on 2 GPUs than on one instead of 1.13x; docs/parallel.md).",
+flags.DEFINE_enum("tp_all_reduce", "xla", ["xla", "nccl", "peer"], "All-reduce of a split model: xla (XLA's "
+                  "own one-shot kernel for small messages), nccl (cheaper to launch from the host), or peer (the pallas "
+                  "backend's one-shot kernel through peer memory, inside the step's CUDA graph; needs every device in "
+                  "this process; docs/parallel.md).",
                   module_name=_PA)
 flags.DEFINE_string("coordinator_address", None, "Several hosts: host:port of process 0, for "
                     "jax.distributed.initialize (default $JAX_COORDINATOR_ADDRESS, or what JAX detects on SLURM / "
@@ -161,11 +162,17 @@ def apply_system_flags() -> None:
 
 
 def mesh_from_flags():
-    """The device mesh ``--tensor_parallel`` asks for (None for one device); MiniCPMError when there are
-    not that many devices."""
-    from minicpm_jax.model.parallel import make_mesh
+    """The device mesh ``--tensor_parallel`` asks for (None for one device), with its peer-memory workspace
+    for ``--tp_all_reduce peer``; MiniCPMError when there are not that many devices or they cannot share
+    memory."""
+    from minicpm_jax.model.parallel import make_mesh, use_peer_all_reduce
 
-    return make_mesh(FLAGS.tensor_parallel) if FLAGS.tensor_parallel > 1 else None
+    if FLAGS.tensor_parallel <= 1:
+        return None
+    mesh = make_mesh(FLAGS.tensor_parallel)
+    if FLAGS.tp_all_reduce == "peer":
+        use_peer_all_reduce(mesh)
+    return mesh
 
 
 def weights_description(model) -> str:

@@ -23,7 +23,8 @@ from minicpm_jax.model.attention import Attention, resolve_attention_impl
 from minicpm_jax.model.cache import KVCache, TreeInputs
 from minicpm_jax.model.paged_cache import PagedKVCache
 from minicpm_jax.model.layers import MLP, Embed, Linear, RMSNorm
-from minicpm_jax.model.parallel import EMBED, VOCAB, TensorParallel, allocate, cache_specs, mesh_size, state_specs
+from minicpm_jax.model.parallel import (EMBED, VOCAB, TensorParallel, allocate, cache_specs, mesh_size, peer_workspace,
+                                        state_specs)
 from minicpm_jax.quant import QuantSpec
 from pallas_kernels import backend
 
@@ -44,6 +45,7 @@ class DecoderLayer(nnx.Module):
         self.residual_scale = config.residual_scale
         self.impl = attention_impl
         self.axis_name = tp.reduce_axis  # the mesh axis the sublayers' partial sums are reduced over, or None
+        self.peers = tp.peers  # that axis' peer-memory workspace (the pallas backend's all-reduce), or None
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(
             config, layer, max_length=max_length, attention_impl=attention_impl, rngs=rngs, dtype=dtype, quant=quant,
@@ -66,11 +68,12 @@ class DecoderLayer(nnx.Module):
         attn, cache = self.self_attn(h, positions, valid, cache, kv_lengths, mode, tree)
         post = self.post_attention_layernorm
         x, h = ops.residual_add_norm(attn, x, self.residual_scale, post.weight[...], eps=post.eps,
-                                     axis_name=self.axis_name)
+                                     axis_name=self.axis_name, peers=self.peers)
         if next_norm is None:
-            return ops.residual_add(self.mlp(h), x, self.residual_scale, axis_name=self.axis_name), None, cache
+            return (ops.residual_add(self.mlp(h), x, self.residual_scale, axis_name=self.axis_name, peers=self.peers),
+                    None, cache)
         x, h = ops.residual_add_norm(self.mlp(h), x, self.residual_scale, next_norm.weight[...], eps=next_norm.eps,
-                                     axis_name=self.axis_name)
+                                     axis_name=self.axis_name, peers=self.peers)
         return x, h, cache
 
 
@@ -124,7 +127,11 @@ class MiniCPMForCausalLM(nnx.Module):
     ):
         attention_impl = resolve_attention_impl(attention_impl, config.head_dim)
         self.mesh = mesh
-        self.tp = TensorParallel.of(config, mesh_size(mesh), quant)
+        peers = peer_workspace(mesh)
+        if peers is not None and not backend.reduces_through_peers(attention_impl):
+            raise MiniCPMError(f"the peer-memory all-reduce (--tp_all_reduce peer) is a kernel of the pallas backend; "
+                               f"attention_impl {attention_impl!r} reduces through XLA")
+        self.tp = TensorParallel.of(config, mesh_size(mesh), quant, peers=peers)
         sparse = resolve_sparse(config, sparse)
         self.sparse = sparse
         # Sparse attention starts at dense_len tokens; a cache shorter than that never gets there, so such

@@ -17,7 +17,10 @@ Every decision about splitting a model lives here:
   model through :class:`TensorParallel`: one all-reduce of each row-parallel sublayer's fp32 partial sums
   at the block boundary (the decoder layer's ``residual_add`` / ``residual_add_norm`` backend ops over
   :attr:`~TensorParallel.reduce_axis`, fused with the residual add and the next norm), one for the
-  vocab-parallel embedding lookup, and one all-gather of the logits. Act-order int4 row-parallel linears all-gather their input first, and
+  vocab-parallel embedding lookup, and one all-gather of the logits. The sublayers' all-reduces are XLA's
+  (NCCL or its one-shot kernel) unless :func:`use_peer_all_reduce` gave the mesh a peer-memory workspace
+  (``--tp_all_reduce peer``): then the pallas backend reduces through its own kernel, which XLA keeps
+  inside the step's CUDA graph (``pallas_kernels.peer_all_reduce``). Act-order int4 row-parallel linears all-gather their input first, and
   sparse attention with a KV head shared by several devices all-gathers the selection queries.
 
 A model without a mesh runs exactly the single-device program (size 1, no ``shard_map``).
@@ -34,13 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.paged_cache import PagedKVCache
 from minicpm_jax.quant import QuantSpec
+from pallas_kernels.peer_all_reduce import PeerAccessError, PeerWorkspace, allocate_workspace
 
 AXIS = "tp"  # the mesh axis tensor parallelism splits over
 
@@ -72,14 +76,16 @@ class TensorParallel:
     head_dim: int
     intermediate_size: int
     vocab_size: int
+    peers: PeerWorkspace | None = None  # the axis' peer-memory workspace (size > 1 only), or None
 
     @classmethod
-    def of(cls, config: ModelConfig, size: int = 1, quant: QuantSpec | None = None) -> "TensorParallel":
-        """The layout of ``config`` over ``size`` devices; MiniCPMError (naming the sizes that work) when
-        ``size`` does not split the heads, the MLP or, for int4 weights, whole scale groups of the
-        row-parallel linears."""
+    def of(cls, config: ModelConfig, size: int = 1, quant: QuantSpec | None = None,
+           peers: PeerWorkspace | None = None) -> "TensorParallel":
+        """The layout of ``config`` over ``size`` devices (with ``peers``, the mesh's
+        :func:`peer_workspace`); MiniCPMError (naming the sizes that work) when ``size`` does not split the
+        heads, the MLP or, for int4 weights, whole scale groups of the row-parallel linears."""
         tp = cls(size, config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size,
-                 config.vocab_size)
+                 config.vocab_size, peers if size > 1 else None)
         problem = tp.problem(quant)
         if problem:
             sizes = ", ".join(map(str, cls.valid_sizes(config, quant)))
@@ -289,6 +295,33 @@ def make_mesh(size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
         kind = f"{devices[0].platform} " if devices else ""
         raise MiniCPMError(f"tensor parallelism over {size} devices, but {len(devices)} {kind}device(s) are visible")
     return Mesh(np.array(devices[:size]), (AXIS,))
+
+
+_PEER_MESHES: dict[tuple[int, ...], PeerWorkspace] = {}
+
+
+def use_peer_all_reduce(mesh: Mesh, enable: bool = True) -> PeerWorkspace | None:
+    """Gives ``mesh``'s devices a peer-memory workspace, so models built on them afterwards reduce their
+    sublayers through the pallas backend's all-reduce kernel (``--tp_all_reduce peer``); ``enable=False``
+    takes that back for models built afterwards (the workspace stays allocated). MiniCPMError when the
+    devices cannot (not all GPUs of this process, or no peer access between them)."""
+    devices = list(mesh.devices.flat)
+    if not enable:
+        _PEER_MESHES.pop(tuple(d.id for d in devices), None)
+        return None
+    try:
+        workspace = allocate_workspace(devices)
+    except PeerAccessError as e:
+        raise MiniCPMError(f"--tp_all_reduce peer: {e}") from None
+    _PEER_MESHES[tuple(d.id for d in devices)] = workspace
+    return workspace
+
+
+def peer_workspace(mesh: Mesh | AbstractMesh | None) -> PeerWorkspace | None:
+    """The workspace :func:`use_peer_all_reduce` gave ``mesh``'s devices, or None."""
+    if not isinstance(mesh, Mesh):
+        return None
+    return _PEER_MESHES.get(tuple(d.id for d in mesh.devices.flat))
 
 
 def mesh_size(mesh: Mesh | None) -> int:

@@ -1,0 +1,288 @@
+"""A one-shot all-reduce through peer memory, as a plain Pallas (Triton) kernel XLA records in its CUDA graphs.
+
+Why: XLA runs its own collectives (NCCL, or its one-shot kernel) as thunks between command buffers, so a
+split decode step is ~65 CUDA graphs launched from the host around ~65 collective thunks, and the host
+sets the pace (docs/lab_notes, twenty-fifth and thirtieth sessions). This kernel is an ordinary custom
+call to XLA: a whole step with its all-reduces is one graph. It is the custom all-reduce of vLLM and SGLang
+(one-shot, for small messages), on the single-process JAX runtime, where every GPU of the mesh shares one
+address space and peer access is on.
+
+Protocol (NCCL's "LL"): each device owns a workspace (:class:`PeerWorkspace`, allocated once, at a fixed
+address the kernel gets as a constant table). Program ``p`` of rank ``r`` handles ``TILE`` elements: it
+reads its call counter ``e - 1`` from its own workspace, then stores each fp32 value together with the flag
+``e`` as one 8-byte word (``{bits, e}``, a single access: no fence needed) into slot ``(e & 1, r)`` of every
+peer's workspace; then it polls its own slots ``(e & 1, s)`` for every other rank ``s`` until every flag
+reads ``e``, sums the ranks' values in rank order (the same order on every rank: the replicas stay
+bit-identical; for 2 ranks it is ``psum``'s result bit for bit) and stores ``e`` as its counter. Two slots,
+chosen by the parity of ``e``, make overwriting safe: a rank writes a slot again at ``e + 2`` only after it
+finished call ``e + 1``, which needed every peer's ``e + 1`` values, which each peer stores after it
+finished reading call ``e``. Every rank runs the same calls in the same order (one SPMD program), so the
+counters stay equal. No multicast object, no NVLink SHARP: plain loads and stores to peer memory.
+
+The loads and stores are inline PTX (``ld/st.volatile.global.v2.u32``, i.e. relaxed at system scope)
+through :data:`_asm_p`, a non-pure version of Pallas' ``elementwise_inline_asm`` (whose asm is pure, so
+LLVM could hoist a polling load out of its loop or drop a store): the one piece of this module that
+reaches into Pallas' Triton lowering.
+
+Shapes: ``x [..., H]`` fp32 (any shape; flattened), at most :data:`MAX_ELEMENTS` elements; the result has
+``x``'s shape and dtype. The reference is ``lax.psum(x, axis_name)``. It needs a GPU: no interpret mode
+(there is no peer memory to emulate); CPU tests check the lowered kernel, GPU tests the results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+from collections.abc import Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.core import ShapedArray
+from jax.extend.core import Primitive
+
+TILE = 1024  # elements per program (8 KB of LL words pushed to each peer)
+MAX_PROGRAMS = 256  # programs per call: co-resident on an H100/H200 (every program polls for its peers')
+MAX_ELEMENTS = TILE * MAX_PROGRAMS  # the largest message (256K fp32; a batch of 64 rows of 4096)
+_WORD = 8  # bytes of one LL word: {fp32 bits, flag}
+
+
+# ------------------------------------------------------------------------------------ the inline asm
+_asm_p = Primitive("minicpm_volatile_asm")
+_asm_p.multiple_results = True
+
+
+@_asm_p.def_abstract_eval
+def _asm_abstract_eval(*avals, asm, constraints, n_out):
+    del asm, constraints
+    return [ShapedArray(avals[0].shape, jnp.uint32) for _ in range(n_out)]
+
+
+def _asm_lowering(ctx, *args, asm, constraints, n_out):
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.triton import dialect as tt_dialect
+    from jax._src.pallas.triton import lowering
+
+    results = tt_dialect.elementwise_inline_asm(
+        [ir.RankedTensorType.get(aval.shape, lowering._dtype_to_ir_type(aval.dtype)) for aval in ctx.avals_out], asm,
+        constraints=constraints, pure=False, packed_element=1, args=list(args))
+    return [results] if n_out == 1 else list(results)
+
+
+def _register_lowering() -> None:
+    from jax._src.pallas.triton import lowering
+
+    lowering.triton_lowering_rules[_asm_p] = _asm_lowering
+
+
+_register_lowering()
+
+
+def _asm(asm: str, constraints: str, n_out: int, *args: jax.Array) -> list[jax.Array]:
+    """Non-pure elementwise inline PTX over uint32 ``args`` (same shape) → ``n_out`` uint32 arrays."""
+    return _asm_p.bind(*[a.astype(jnp.uint32) for a in args], asm=asm, constraints=constraints, n_out=n_out)
+
+
+# $1 hi, $2 lo (the workspace's address), $3 word offset, $4 value bits, $5 flag, $6 predicate → $0 = $4.
+_STORE = """{
+.reg .b64 %wa;
+.reg .pred %wp;
+setp.ne.u32 %wp, $6, 0;
+mov.b64 %wa, {$2, $1};
+mad.wide.u32 %wa, $3, 8, %wa;
+@%wp st.volatile.global.v2.u32 [%wa], {$4, $5};
+mov.b32 $0, $4;
+}"""
+# $2 hi, $3 lo, $4 word offset → $0 value bits, $1 flag.
+_LOAD = """{
+.reg .b64 %wa;
+mov.b64 %wa, {$3, $2};
+mad.wide.u32 %wa, $4, 8, %wa;
+ld.volatile.global.v2.u32 {$0, $1}, [%wa];
+}"""
+
+
+def _store(hi, lo, offsets, bits, flag, pred):
+    return _asm(_STORE, "=r,r,r,r,r,r,r", 1, hi, lo, offsets, bits, flag, pred)[0]
+
+
+def _load(hi, lo, offsets):
+    return _asm(_LOAD, "=r,=r,r,r,r", 2, hi, lo, offsets)
+
+
+# ------------------------------------------------------------------------------------ the workspace
+@dataclasses.dataclass(frozen=True)
+class PeerWorkspace:
+    """Each rank's workspace address, ``addresses[r]`` (rank ``r`` = position on the mesh axis), as a
+    hashable static argument. Word layout of one workspace (8-byte words): ``[0, MAX_PROGRAMS)`` the
+    programs' call counters, then slots ``(parity, source rank)`` of :data:`MAX_ELEMENTS` words each."""
+
+    addresses: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.addresses)
+
+    def table(self) -> np.ndarray:
+        """``uint32[rows, 2]``: each rank's address as ``(high, low)`` words, zero rows up to a power of 2
+        (a Triton block's size)."""
+        rows = 1 << (self.size - 1).bit_length()
+        table = np.zeros((rows, 2), np.uint32)
+        table[: self.size] = [(a >> 32, a & 0xFFFFFFFF) for a in self.addresses]
+        return table
+
+    @staticmethod
+    def words(size: int) -> int:
+        """8-byte words of one rank's workspace for ``size`` ranks."""
+        return MAX_PROGRAMS + 2 * size * MAX_ELEMENTS
+
+
+def _slot_offset(parity, source, size: int):
+    return MAX_PROGRAMS + (parity * size + source) * MAX_ELEMENTS
+
+
+class PeerAccessError(RuntimeError):
+    """The devices cannot reach each other's memory."""
+
+
+_CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
+
+
+def _enable_peer_access(devices: Sequence[jax.Device]) -> None:
+    """Turns on peer access between every pair of ``devices`` in their primary CUDA contexts (the ones XLA
+    uses), through the driver API; already enabled is fine. :class:`PeerAccessError` when a pair cannot."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise PeerAccessError(f"the CUDA driver library is not loadable: {e}") from None
+
+    def check(result, what):
+        if result not in (0, _CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
+            raise PeerAccessError(f"{what} failed with CUDA error {result}")
+
+    ordinals = [d.local_hardware_id for d in devices]
+    handles, contexts = [], []
+    for o in ordinals:
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        check(cuda.cuDeviceGet(ctypes.byref(dev), o), f"cuDeviceGet({o})")
+        check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), f"cuDevicePrimaryCtxRetain({o})")
+        handles.append(dev)
+        contexts.append(ctx)
+    previous = ctypes.c_void_p()
+    check(cuda.cuCtxGetCurrent(ctypes.byref(previous)), "cuCtxGetCurrent")
+    try:
+        for i, ctx in enumerate(contexts):
+            check(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+            for j, peer in enumerate(contexts):
+                if i == j:
+                    continue
+                can = ctypes.c_int()
+                check(cuda.cuDeviceCanAccessPeer(ctypes.byref(can), handles[i], handles[j]), "cuDeviceCanAccessPeer")
+                if not can.value:
+                    raise PeerAccessError(f"GPU {ordinals[i]} cannot access GPU {ordinals[j]}'s memory")
+                check(cuda.cuCtxEnablePeerAccess(peer, 0), f"cuCtxEnablePeerAccess({ordinals[i]} -> {ordinals[j]})")
+    finally:
+        cuda.cuCtxSetCurrent(previous)
+
+
+_KEEP_ALIVE: dict[tuple[int, ...], tuple[PeerWorkspace, list[jax.Array]]] = {}
+
+
+def allocate_workspace(devices: Sequence[jax.Device]) -> PeerWorkspace:
+    """The workspace of ``devices`` (the mesh axis' devices, in rank order): zeroed device buffers, kept
+    alive for the life of the process (the kernel writes them behind XLA's back, at fixed addresses); one
+    per device set. Needs every device in this process, on NVIDIA GPUs that can reach each other's memory
+    (:class:`PeerAccessError` otherwise)."""
+    key = tuple(d.id for d in devices)
+    if key in _KEEP_ALIVE:
+        return _KEEP_ALIVE[key][0]
+    if any(d.platform != "gpu" or d.process_index != jax.process_index() for d in devices):
+        raise PeerAccessError("the peer-memory all-reduce needs every device of the mesh to be a GPU of this process")
+    _enable_peer_access(devices)
+    words = PeerWorkspace.words(len(devices))
+    buffers = [jax.device_put(np.zeros(2 * words, np.uint32), d) for d in devices]
+    for b in buffers:
+        b.block_until_ready()
+    workspace = PeerWorkspace(tuple(int(b.unsafe_buffer_pointer()) for b in buffers))
+    _KEEP_ALIVE[key] = (workspace, buffers)
+    return workspace
+
+
+# ------------------------------------------------------------------------------------ the kernel
+def _kernel(table_ref, rank_ref, x_ref, o_ref, *, size: int, elements: int):
+    p = pl.program_id(0)
+    rank = rank_ref[0]
+    lanes = jnp.arange(TILE, dtype=jnp.int32)
+    inside = (p * TILE + lanes) < elements
+    zeros = jnp.zeros((TILE,), jnp.uint32)
+    my_hi, my_lo = zeros + table_ref[rank, 0], zeros + table_ref[rank, 1]
+    counter = zeros + p.astype(jnp.uint32)
+    _, last = _load(my_hi, my_lo, counter)
+    epoch = last + 1  # the same in every lane
+    parity = epoch & 1
+    x = x_ref[...]
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    word = (p * TILE + lanes).astype(jnp.uint32)
+    for step in range(1, size):  # push to every peer
+        peer = (rank + step) % size
+        dst = word + _slot_offset(parity, rank.astype(jnp.uint32), size)
+        bits = _store(zeros + table_ref[peer, 0], zeros + table_ref[peer, 1], dst, bits, epoch,
+                      inside.astype(jnp.uint32))
+    own = lax.bitcast_convert_type(bits, jnp.float32)
+    total = None
+    for source in range(size):  # sum in rank order
+        src = word + _slot_offset(parity, jnp.uint32(source), size)
+
+        def waiting(state, src=src, source=source):
+            _, flag = state
+            missing = jnp.sum(jnp.where((flag == epoch) | ~inside | (rank == source), 0, 1))
+            return missing > 0
+
+        def poll(state, src=src):
+            del state
+            return tuple(_load(my_hi, my_lo, src))
+
+        value, _ = lax.while_loop(waiting, poll, tuple(_load(my_hi, my_lo, src)))
+        v = jnp.where(rank == source, own, lax.bitcast_convert_type(value, jnp.float32))
+        total = v if total is None else total + v
+    # The counter, stored last (lane 0): the result depends on the store, so nothing drops it.
+    kept = _store(my_hi, my_lo, counter, lax.bitcast_convert_type(total, jnp.uint32), epoch,
+                  (lanes == 0).astype(jnp.uint32))
+    o_ref[...] = lax.bitcast_convert_type(kept, jnp.float32)
+
+
+def peer_all_reduce(x: jax.Array, workspace: PeerWorkspace, axis_name: Hashable) -> jax.Array:
+    """``lax.psum(x, axis_name)`` for an fp32 ``x`` of at most :data:`MAX_ELEMENTS` elements, through
+    ``workspace`` (the axis' devices' :func:`allocate_workspace`). Call inside ``shard_map`` over the axis."""
+    from jax.experimental.pallas import triton as plt
+
+    if x.dtype != jnp.float32:
+        raise TypeError(f"peer_all_reduce sums fp32 partials, got {x.dtype}")
+    n = x.size
+    if n > MAX_ELEMENTS:
+        raise ValueError(f"peer_all_reduce takes at most {MAX_ELEMENTS} elements, got {n}")
+    programs = -(-n // TILE)
+    flat = x.reshape(n)
+    if programs * TILE != n:
+        flat = jnp.pad(flat, (0, programs * TILE - n))
+    rank = lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+    table = workspace.table()
+    out = pl.pallas_call(
+        functools.partial(_kernel, size=workspace.size, elements=n),
+        grid=(programs,),
+        in_specs=[pl.BlockSpec(table.shape, lambda i: (0, 0)), pl.BlockSpec((1,), lambda i: (0,)),
+                  pl.BlockSpec((TILE,), lambda i: (i,))],
+        out_specs=pl.BlockSpec((TILE,), lambda i: (i,)),
+        out_shape=jax.ShapeDtypeStruct((programs * TILE,), jnp.float32),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        name="peer_all_reduce",
+    )(jnp.asarray(table), rank, flat)
+    return out[:n].reshape(x.shape)
+
+
+def fits(x: jax.Array, workspace: PeerWorkspace | None) -> bool:
+    """Whether :func:`peer_all_reduce` takes ``x`` (a workspace, fp32, at most :data:`MAX_ELEMENTS`)."""
+    return workspace is not None and x.dtype == jnp.float32 and x.size <= MAX_ELEMENTS

@@ -1,0 +1,68 @@
+"""The peer-memory all-reduce on GPUs (``pytest -m gpu`` on a machine with 2+ GPUs; skipped elsewhere):
+bit for bit ``lax.psum``'s result for 2 ranks (rank-ordered sums equal to a 1e-6 relative tolerance for
+more), over repeated calls of changing sizes (the counters and the two slots of the protocol), a partial
+last tile, and a device-side loop (XLA's while command buffer)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from minicpm_jax.model.parallel import AXIS, make_mesh, use_peer_all_reduce
+from pallas_kernels.peer_all_reduce import MAX_ELEMENTS, peer_all_reduce
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(len(jax.devices()) < 2 or jax.default_backend() != "gpu", reason="needs 2+ GPUs")]
+
+
+def _sizes():
+    n = len(jax.devices())
+    return [s for s in (2, 4, 8) if s <= n]
+
+
+def _pair(n, body):
+    mesh = make_mesh(n)
+    workspace = use_peer_all_reduce(mesh)
+    use_peer_all_reduce(mesh, enable=False)  # models built later in this process keep XLA's all-reduce
+    split = lambda f: jax.jit(jax.shard_map(lambda a: f(a[0])[None], mesh=mesh, in_specs=P(AXIS),  # noqa: E731
+                                            out_specs=P(AXIS), check_vma=False))
+    return split(body(lambda v: peer_all_reduce(v, workspace, AXIS))), split(body(lambda v: lax.psum(v, AXIS)))
+
+
+def _check(n, got, want):
+    if n == 2:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    for rank in range(1, n):  # every rank holds the same sum
+        np.testing.assert_array_equal(got[rank], got[0])
+
+
+@pytest.mark.parametrize("n", _sizes())
+def test_kernel_equals_psum_over_repeated_calls_of_changing_size(n):
+    kernel, psum = _pair(n, lambda reduce: reduce)
+    rng = np.random.default_rng(n)
+    for shape in [(1, 4096), (16, 4096), (3, 1000), (1, 4096), (MAX_ELEMENTS // 4096, 4096), (7,), (1, 4096)] * 2:
+        x = jnp.asarray(rng.standard_normal((n, *shape), np.float32))
+        _check(n, np.asarray(kernel(x)), np.asarray(psum(x)))
+
+
+@pytest.mark.parametrize("n", _sizes())
+def test_chained_calls_in_a_device_loop_equal_psum(n):
+    def body(reduce):
+        def f(x):
+            def step(i, x):
+                for _ in range(5):
+                    x = reduce(x * 0.5)
+                    x = x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+                return x
+            return lax.fori_loop(0, 6, step, x)
+        return f
+
+    kernel, psum = _pair(n, body)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((n, 2, 4096), np.float32))
+    _check(n, np.asarray(kernel(x)), np.asarray(psum(x)))

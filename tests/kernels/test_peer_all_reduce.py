@@ -1,0 +1,94 @@
+"""The peer-memory all-reduce (``pallas_kernels.peer_all_reduce``) where no GPU is: it lowers to one Triton
+kernel for CUDA, the pallas backend chooses it only when a workspace is given and the message fits, its
+address table round-trips, and a mesh of CPU devices is refused with a clear error. Its results against
+``lax.psum`` are checked on GPUs: ``tests/kernels/test_gpu_peer_all_reduce.py``."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from minicpm_jax.errors import MiniCPMError
+from minicpm_jax.model.parallel import AXIS, make_mesh, peer_workspace, use_peer_all_reduce
+from pallas_kernels import backend
+from pallas_kernels.peer_all_reduce import MAX_ELEMENTS, TILE, PeerWorkspace, peer_all_reduce
+
+WORKSPACE = PeerWorkspace((0x7F12_3456_7000, 0x7F98_7654_3000, 0x1_0000_0000))  # 3 ranks: a padded table
+PALLAS = backend.get("pallas")
+
+
+def _triton_calls(f, *args) -> list[str]:
+    """The Triton custom calls of ``f`` lowered for CUDA (the lowering runs here; no GPU needed)."""
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*grid_x = (\d+)", text)
+
+
+def _split(fn, n):
+    mesh = make_mesh(n)
+    return jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False)
+
+
+def test_table_holds_each_address_as_high_and_low_words():
+    table = WORKSPACE.table()
+    assert table.shape == (4, 2) and table.dtype == np.uint32
+    assert [(int(h) << 32) | int(lo) for h, lo in table[:3]] == list(WORKSPACE.addresses)
+    assert not table[3].any()
+
+
+@pytest.mark.parametrize("rows,width", [(1, 4096), (3, 1000)])
+def test_kernel_lowers_to_one_triton_launch_per_call(rows, width):
+    ws = PeerWorkspace(WORKSPACE.addresses[:2])
+    f = _split(lambda a: peer_all_reduce(a[0], ws, AXIS)[None], 2)
+    grids = _triton_calls(f, jnp.zeros((2, rows, width), jnp.float32))
+    assert grids == [str(-(-rows * width // TILE))]
+
+
+def test_pallas_residual_ops_choose_the_kernel_only_when_it_applies():
+    ws = PeerWorkspace(WORKSPACE.addresses[:2])
+    w = jnp.ones((256,), jnp.float32)
+
+    def layer(peers, rows):
+        def f(a):
+            x, h = PALLAS.residual_add_norm(a[0], a[0], 0.5, w, eps=1e-6, axis_name=AXIS, peers=peers)
+            return (PALLAS.residual_add(h, x, 0.5, axis_name=AXIS, peers=peers))[None]
+        return _triton_calls(_split(f, 2), jnp.zeros((2, rows, 256), jnp.float32))
+
+    assert len(layer(ws, 4)) == 2
+    assert layer(None, 4) == []  # no workspace: lax.psum
+    assert layer(ws, MAX_ELEMENTS // 256 + 1) == []  # a prefill-sized message: lax.psum
+
+
+def test_pallas_residual_ops_without_a_workspace_equal_the_reference():
+    rng = np.random.default_rng(0)
+    parts = jnp.asarray(rng.standard_normal((2, 3, 64), np.float32))
+    residual = jnp.asarray(rng.standard_normal((2, 3, 64), np.float32))
+    w = jnp.asarray(rng.standard_normal(64), jnp.float32)
+    mesh = make_mesh(2)
+    run = lambda ns: jax.shard_map(  # noqa: E731
+        lambda p, r: jnp.stack(ns.residual_add_norm(p[0], r[0], 0.25, w, eps=1e-6, axis_name=AXIS))[None],
+        mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS), check_vma=False)(parts, residual)
+    got, want = np.asarray(run(PALLAS)), np.asarray(run(backend.get("xla")))
+    np.testing.assert_array_equal(got, want)
+    total = np.asarray(parts).sum(0)
+    np.testing.assert_allclose(got[0, 0], np.asarray(residual[0]) + 0.25 * total, rtol=1e-6, atol=1e-6)
+
+
+def test_kernel_refuses_what_it_cannot_sum():
+    ws = PeerWorkspace(WORKSPACE.addresses[:2])
+    with pytest.raises(TypeError, match="fp32"):
+        _split(lambda a: peer_all_reduce(a[0], ws, AXIS)[None], 2)(jnp.zeros((2, 8), jnp.bfloat16))
+    with pytest.raises(ValueError, match="at most"):
+        jax.jit(_split(lambda a: peer_all_reduce(a[0], ws, AXIS)[None], 2)).trace(
+            jnp.zeros((2, MAX_ELEMENTS + 1), jnp.float32))
+
+
+def test_a_mesh_of_cpus_gets_no_workspace():
+    mesh = make_mesh(2)
+    with pytest.raises(MiniCPMError, match="--tp_all_reduce peer: .*GPU"):
+        use_peer_all_reduce(mesh)
+    assert peer_workspace(mesh) is None
