@@ -115,8 +115,8 @@ flags.DEFINE_list("kv_caches", ["contiguous"], "e2e: KV cache layouts to run (co
 flags.DEFINE_integer("batch_size", 1, "Sequences decoded together.")
 flags.DEFINE_integer("decode_steps", 128, "Tokens decoded per timed run.")
 flags.DEFINE_integer("decode_block", 32, "Decode steps per host round trip.")
-flags.DEFINE_enum("tp_all_reduce", "xla", ["xla", "nccl", "peer"], "e2e: the all-reduce of split models, as "
-                  "run's flag.")
+flags.DEFINE_enum("tp_all_reduce", "auto", ["auto", "peer", "xla", "nccl"], "e2e: the all-reduce of split models, "
+                  "as run's flag (auto: peer on the GPUs of one process, else xla).")
 flags.DEFINE_integer("chunk_length", 1024, "Prefill chunk length.")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Weight/activation dtype.")
 flags.DEFINE_integer("repeats", 2, "Timed repeats per row (all are reported, to show the spread).")
@@ -132,6 +132,13 @@ flags.DEFINE_string("markdown_out", None, "Write the markdown tables here.")
 flags.DEFINE_string("plot", None, "Draw decode ms/token vs context (e2e rows, kernels' decode rows) to this PNG.")
 flags.DEFINE_string("plot_from", None, "Only re-draw --plot from this saved --json_out file (no benchmarks run).")
 flags.DEFINE_string("dump_hlo", None, "Write the optimized HLO of the decode block to this file.")
+
+
+def _peer_all_reduce() -> bool:
+    """Whether split models reduce through the peer-memory kernel (``--tp_all_reduce``)."""
+    if FLAGS.tp_all_reduce == "auto":
+        return jax.default_backend() == "gpu" and jax.process_count() == 1
+    return FLAGS.tp_all_reduce == "peer"
 
 
 def main(argv):
@@ -276,7 +283,7 @@ def _main():
                                                      quant=quant_spec if quant == "int4" else None, sparse=sparse,
                                                      tensor_parallel=n, spmd=spmd,
                                                      profile_collectives=FLAGS.profile_collectives, kv_cache=kv,
-                                                     peer_all_reduce=FLAGS.tp_all_reduce == "peer")
+                                                     peer_all_reduce=_peer_all_reduce())
                             dump_hlo = None
         result["rows"] = [dict(dataclasses.asdict(r), pct_roofline=r.pct_roofline) for r in rows]
         tables.append(markdown(rows, bandwidth, flops, device, result.get("peer"), result.get("torch_peer"),

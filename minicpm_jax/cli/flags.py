@@ -69,10 +69,10 @@ flags.DEFINE_integer("frspec_vocab_size", 32768, "FR-Spec: keep this many most f
 flags.DEFINE_integer("tensor_parallel", 1, "Split the model over this many devices (tensor parallelism over JAX SPMD: "
                      "attention heads, MLP channels and vocabulary; the KV cache with its heads). 1 = one device.",
                      module_name=_PA)
-flags.DEFINE_enum("tp_all_reduce", "xla", ["xla", "nccl", "peer"], "All-reduce of a split model: xla (XLA's "
-                  "own one-shot kernel for small messages), nccl (cheaper to launch from the host), or peer (the pallas "
-                  "backend's one-shot kernel through peer memory, inside the step's CUDA graph; needs every device in "
-                  "this process; docs/parallel.md).",
+flags.DEFINE_enum("tp_all_reduce", "auto", ["auto", "peer", "xla", "nccl"], "All-reduce of a split model: peer "
+                  "(the pallas backend's one-shot kernel through peer memory, inside the step's CUDA graph; needs every "
+                  "device on GPUs of this process), xla (XLA's own one-shot kernel), nccl (NCCL through XLA), or auto "
+                  "(peer where it can run, else xla; docs/parallel.md).",
                   module_name=_PA)
 flags.DEFINE_string("coordinator_address", None, "Several hosts: host:port of process 0, for "
                     "jax.distributed.initialize (default $JAX_COORDINATOR_ADDRESS, or what JAX detects on SLURM / "
@@ -170,8 +170,17 @@ def mesh_from_flags():
     if FLAGS.tensor_parallel <= 1:
         return None
     mesh = make_mesh(FLAGS.tensor_parallel)
+    if FLAGS.tp_all_reduce == "peer" and FLAGS.attention_impl != backend.AUTO and not backend.reduces_through_peers(
+            FLAGS.attention_impl):
+        raise MiniCPMError(f"--tp_all_reduce peer is a kernel of the pallas backend; --attention_impl "
+                           f"{FLAGS.attention_impl} reduces through XLA")
     if FLAGS.tp_all_reduce == "peer":
         use_peer_all_reduce(mesh)
+    elif FLAGS.tp_all_reduce == "auto" and all(d.platform == "gpu" for d in mesh.devices.flat):
+        try:
+            use_peer_all_reduce(mesh)
+        except MiniCPMError as e:
+            print(f"note: {e}; the split model reduces through XLA's all-reduce", file=sys.stderr)
     return mesh
 
 

@@ -127,10 +127,8 @@ class MiniCPMForCausalLM(nnx.Module):
     ):
         attention_impl = resolve_attention_impl(attention_impl, config.head_dim)
         self.mesh = mesh
-        peers = peer_workspace(mesh)
-        if peers is not None and not backend.reduces_through_peers(attention_impl):
-            raise MiniCPMError(f"the peer-memory all-reduce (--tp_all_reduce peer) is a kernel of the pallas backend; "
-                               f"attention_impl {attention_impl!r} reduces through XLA")
+        # The peer-memory all-reduce is a kernel of the pallas backend; the xla backend reduces through XLA.
+        peers = peer_workspace(mesh) if backend.reduces_through_peers(attention_impl) else None
         self.tp = TensorParallel.of(config, mesh_size(mesh), quant, peers=peers)
         sparse = resolve_sparse(config, sparse)
         self.sparse = sparse

@@ -38,6 +38,10 @@ def test_demo_model_splits_over_three_devices_and_refuses_two(smollm2_dir):
     assert json.loads(three.stdout)["token_ids"] == json.loads(one.stdout)["token_ids"]
     r = _run("--tensor_parallel", "16", *PROMPT)
     assert r.returncode == 2 and "over 16 devices, but 8 cpu device(s) are visible" in r.stderr
+    r = _run("--tensor_parallel", "3", "--tp_all_reduce", "peer", *PROMPT)  # peer memory is a GPU's
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "error: --tp_all_reduce peer: the peer-memory all-reduce needs every device of the mesh to be a GPU of this "
+        "process")
 
 
 def _free_port() -> int:

@@ -50,15 +50,17 @@ def test_kernel_lowers_to_one_triton_launch_per_call(rows, width):
 
 def test_pallas_residual_ops_choose_the_kernel_only_when_it_applies():
     ws = PeerWorkspace(WORKSPACE.addresses[:2])
-    w = jnp.ones((256,), jnp.float32)
 
-    def layer(peers, rows):
+    def layer(peers, rows, width=256):
+        w = jnp.ones((width,), jnp.float32)
+
         def f(a):
             x, h = PALLAS.residual_add_norm(a[0], a[0], 0.5, w, eps=1e-6, axis_name=AXIS, peers=peers)
             return (PALLAS.residual_add(h, x, 0.5, axis_name=AXIS, peers=peers))[None]
-        return _triton_calls(_split(f, 2), jnp.zeros((2, rows, 256), jnp.float32))
+        return _triton_calls(_split(f, 2), jnp.zeros((2, rows, width), jnp.float32))
 
-    assert len(layer(ws, 4)) == 2
+    assert layer(ws, 4) == ["1", "1"]  # one program a TILE of the message, then XLA's add + norm
+    assert layer(ws, 40, width=96) == ["4", "4"]
     assert layer(None, 4) == []  # no workspace: lax.psum
     assert layer(ws, MAX_ELEMENTS // 256 + 1) == []  # a prefill-sized message: lax.psum
 
