@@ -134,13 +134,6 @@ flags.DEFINE_string("plot_from", None, "Only re-draw --plot from this saved --js
 flags.DEFINE_string("dump_hlo", None, "Write the optimized HLO of the decode block to this file.")
 
 
-def _peer_all_reduce() -> bool:
-    """Whether split models reduce through the peer-memory kernel (``--tp_all_reduce``)."""
-    if FLAGS.tp_all_reduce == "auto":
-        return jax.default_backend() == "gpu" and jax.process_count() == 1
-    return FLAGS.tp_all_reduce == "peer"
-
-
 def main(argv):
     del argv
     if FLAGS.xla_command_buffers:
@@ -283,7 +276,7 @@ def _main():
                                                      quant=quant_spec if quant == "int4" else None, sparse=sparse,
                                                      tensor_parallel=n, spmd=spmd,
                                                      profile_collectives=FLAGS.profile_collectives, kv_cache=kv,
-                                                     peer_all_reduce=_peer_all_reduce())
+                                                     all_reduce=FLAGS.tp_all_reduce)
                             dump_hlo = None
         result["rows"] = [dict(dataclasses.asdict(r), pct_roofline=r.pct_roofline) for r in rows]
         tables.append(markdown(rows, bandwidth, flops, device, result.get("peer"), result.get("torch_peer"),

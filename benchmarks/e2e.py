@@ -30,7 +30,7 @@ from minicpm_jax.engine.paging import DEFAULT_PAGE_SIZE, Paging
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.cache import KVCache
 from minicpm_jax.model.paged_cache import PagedKVCache
-from minicpm_jax.model.parallel import TensorParallel, make_mesh, use_peer_all_reduce
+from minicpm_jax.model.parallel import TensorParallel, make_mesh, set_all_reduce
 from minicpm_jax.quant import QuantSpec
 
 
@@ -121,20 +121,20 @@ def bench_end_to_end(shape: str, contexts: list[int], batch_size: int, decode_st
                      max_length: int | None = None, dump_hlo: str | None = None,
                      attention_impl: str = "auto", quant: QuantSpec | None = None, sparse: str = "off",
                      tensor_parallel: int = 1, spmd: bool = False, profile_collectives: bool = False,
-                     kv_cache: str = "contiguous", peer_all_reduce: bool = False) -> list[Row]:
+                     kv_cache: str = "contiguous", all_reduce: str = "xla") -> list[Row]:
     """Rows of one model (shape, weights, kernels, sparse mode) split over ``tensor_parallel`` devices
     (``spmd``: through the sharded program even at size 1) at each context; ``kv_cache`` ``paged`` runs the
     engine over a pool of 64-token pages just large enough for the batch (as the server does, page tables
-    and all); ``peer_all_reduce``: split models reduce through the pallas peer-memory kernel
-    (``--tp_all_reduce peer``)."""
+    and all); ``all_reduce``: a split model's all-reduce (``--tp_all_reduce``: auto, peer, xla, nccl)."""
     config = ModelConfig.from_dict(SHAPES[shape])
     max_length = max_length or max(contexts) + decode_steps + 8
     if max_length < max(contexts) + decode_steps:
         raise MiniCPMError(f"--max_length {max_length} is too small for context {max(contexts)} + {decode_steps} steps")
     tp = TensorParallel.of(config, tensor_parallel, quant)
     mesh = make_mesh(tensor_parallel) if tensor_parallel > 1 or spmd else None
-    if peer_all_reduce and tensor_parallel > 1:
-        use_peer_all_reduce(mesh)
+    note = set_all_reduce(mesh, all_reduce) if tensor_parallel > 1 else None
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     model = random_model(config, max_length, dtype, attention_impl, quant, sparse, mesh=mesh)
     impl = model.attention_impl
     cache_bytes = KVCache.nbytes(config, batch_size, max_length, dtype, model.sparse, kv_heads=tp.stored_kv_heads) // tp.size

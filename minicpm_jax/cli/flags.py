@@ -165,7 +165,7 @@ def mesh_from_flags():
     """The device mesh ``--tensor_parallel`` asks for (None for one device), with its peer-memory workspace
     for ``--tp_all_reduce peer``; MiniCPMError when there are not that many devices or they cannot share
     memory."""
-    from minicpm_jax.model.parallel import make_mesh, use_peer_all_reduce
+    from minicpm_jax.model.parallel import make_mesh, set_all_reduce
 
     if FLAGS.tensor_parallel <= 1:
         return None
@@ -174,13 +174,9 @@ def mesh_from_flags():
             FLAGS.attention_impl):
         raise MiniCPMError(f"--tp_all_reduce peer is a kernel of the pallas backend; --attention_impl "
                            f"{FLAGS.attention_impl} reduces through XLA")
-    if FLAGS.tp_all_reduce == "peer":
-        use_peer_all_reduce(mesh)
-    elif FLAGS.tp_all_reduce == "auto" and all(d.platform == "gpu" for d in mesh.devices.flat):
-        try:
-            use_peer_all_reduce(mesh)
-        except MiniCPMError as e:
-            print(f"note: {e}; the split model reduces through XLA's all-reduce", file=sys.stderr)
+    note = set_all_reduce(mesh, FLAGS.tp_all_reduce)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     return mesh
 
 

@@ -317,6 +317,21 @@ def use_peer_all_reduce(mesh: Mesh, enable: bool = True) -> PeerWorkspace | None
     return workspace
 
 
+def set_all_reduce(mesh: Mesh, choice: str) -> str | None:
+    """Applies ``--tp_all_reduce``'s ``choice`` to ``mesh``: ``peer`` gives it a peer-memory workspace
+    (:func:`use_peer_all_reduce`; MiniCPMError when it cannot), ``auto`` does so where every device is a GPU
+    and falls back to XLA's all-reduce when that fails, ``xla`` / ``nccl`` leave XLA's. Returns a note for
+    the user when ``auto`` fell back, else None."""
+    if choice == "peer":
+        use_peer_all_reduce(mesh)
+    elif choice == "auto" and all(d.platform == "gpu" for d in mesh.devices.flat):
+        try:
+            use_peer_all_reduce(mesh)
+        except MiniCPMError as e:
+            return f"{e}; the split model reduces through XLA's all-reduce"
+    return None
+
+
 def peer_workspace(mesh: Mesh | AbstractMesh | None) -> PeerWorkspace | None:
     """The workspace :func:`use_peer_all_reduce` gave ``mesh``'s devices, or None."""
     if not isinstance(mesh, Mesh):

@@ -54,23 +54,6 @@ def _run(model, draft=None):
     return logits, [r.token_ids for r in results]
 
 
-@pytest.mark.parametrize("mode,dtype", [("dense", jnp.float32), ("int4", jnp.float32), ("sparse", jnp.float32),
-                                        ("speculative", jnp.float32), ("dense", jnp.bfloat16),
-                                        ("speculative", jnp.bfloat16)],
-                         ids=["dense-fp32", "int4-fp32", "sparse-fp32", "speculative-fp32", "dense-bf16",
-                              "speculative-bf16"])
-def test_split_over_gpus_equals_one_gpu(mode, dtype):
-    one = _model(mode, dtype)
-    draft = None
-    if mode == "speculative":
-        draft = EagleDraft(DraftSpec.for_target(CONFIG, "minicpm"), max_length=128, attention_impl="pallas",
-                           dtype=dtype, rngs=nnx.Rngs(1))
-    want_logits, want_tokens = _run(one, draft)
-    got_logits, got_tokens = _run(shard_model(one, make_mesh(len(jax.devices()))), draft)
-    assert helpers.rel_err(got_logits, want_logits) < (1e-5 if dtype == jnp.float32 else 1e-2)
-    assert got_tokens == want_tokens
-
-
 def _split(model, peer: bool):
     """``model`` over all GPUs; ``peer``: its sublayers reduce through the peer-memory kernel."""
     mesh = make_mesh(len(jax.devices()))
@@ -81,16 +64,21 @@ def _split(model, peer: bool):
         use_peer_all_reduce(mesh, enable=False)
 
 
-@pytest.mark.parametrize("mode,dtype", [("dense", jnp.float32), ("int4", jnp.float32), ("speculative", jnp.bfloat16)],
-                         ids=["dense-fp32", "int4-fp32", "speculative-bf16"])
-def test_split_with_the_peer_all_reduce_equals_one_gpu(mode, dtype):
+@pytest.mark.parametrize("mode,dtype,peer", [("dense", jnp.float32, False), ("int4", jnp.float32, False),
+                                             ("sparse", jnp.float32, False), ("speculative", jnp.float32, False),
+                                             ("dense", jnp.bfloat16, False), ("speculative", jnp.bfloat16, False),
+                                             ("dense", jnp.float32, True), ("int4", jnp.float32, True),
+                                             ("speculative", jnp.bfloat16, True)],
+                         ids=["dense-fp32", "int4-fp32", "sparse-fp32", "speculative-fp32", "dense-bf16",
+                              "speculative-bf16", "dense-fp32-peer", "int4-fp32-peer", "speculative-bf16-peer"])
+def test_split_over_gpus_equals_one_gpu(mode, dtype, peer):
     one = _model(mode, dtype)
     draft = None
     if mode == "speculative":
         draft = EagleDraft(DraftSpec.for_target(CONFIG, "minicpm"), max_length=128, attention_impl="pallas",
                            dtype=dtype, rngs=nnx.Rngs(1))
     want_logits, want_tokens = _run(one, draft)
-    got_logits, got_tokens = _run(_split(one, peer=True), draft)
+    got_logits, got_tokens = _run(_split(one, peer), draft)
     assert helpers.rel_err(got_logits, want_logits) < (1e-5 if dtype == jnp.float32 else 1e-2)
     assert got_tokens == want_tokens
 
