@@ -47,6 +47,12 @@ from jax.extend.core import Primitive
 TILE = 1024  # elements per program (8 KB of LL words pushed to each peer)
 MAX_PROGRAMS = 256  # programs per call: co-resident on an H100/H200 (every program polls for its peers')
 MAX_ELEMENTS = TILE * MAX_PROGRAMS  # the largest message (256K fp32; a batch of 64 rows of 4096)
+# The fused all-reduce + residual add + RMSNorm (:func:`peer_all_reduce_add_norm`) works in rows:
+ROW_WORDS = 8192  # the widest row (a row's place in the workspace: ``row * ROW_WORDS``)
+MAX_ROWS = MAX_ELEMENTS // ROW_WORDS  # rows per call (32)
+ROW_TILE = 1024  # elements a program pushes (each program polls the whole row)
+MAX_TILES = ROW_WORDS // ROW_TILE  # counters a row (8)
+_COUNTERS = MAX_PROGRAMS + 2 * MAX_ROWS * MAX_TILES  # the flat kernel's counters, the rows', their partial sums
 _WORD = 8  # bytes of one LL word: {fp32 bits, flag}
 
 
@@ -118,7 +124,9 @@ def _load(hi, lo, offsets):
 class PeerWorkspace:
     """Each rank's workspace address, ``addresses[r]`` (rank ``r`` = position on the mesh axis), as a
     hashable static argument. Word layout of one workspace (8-byte words): ``[0, MAX_PROGRAMS)`` the
-    programs' call counters, then slots ``(parity, source rank)`` of :data:`MAX_ELEMENTS` words each."""
+    programs' call counters of :func:`peer_all_reduce`, ``MAX_TILES`` counters for each of ``MAX_ROWS`` rows
+    of :func:`peer_all_reduce_add_norm`, as many words for its programs' partial sums of squares, then each
+    kernel's slots ``(parity, source rank)`` of :data:`MAX_ELEMENTS` words each."""
 
     addresses: tuple[int, ...]
 
@@ -137,11 +145,18 @@ class PeerWorkspace:
     @staticmethod
     def words(size: int) -> int:
         """8-byte words of one rank's workspace for ``size`` ranks."""
-        return MAX_PROGRAMS + 2 * size * MAX_ELEMENTS
+        return _COUNTERS + 4 * size * MAX_ELEMENTS
 
 
 def _slot_offset(parity, source, size: int):
-    return MAX_PROGRAMS + (parity * size + source) * MAX_ELEMENTS
+    """The first word of slot ``(parity, source)`` of :func:`peer_all_reduce`."""
+    return _COUNTERS + (parity * size + source) * MAX_ELEMENTS
+
+
+def _row_slot_offset(parity, source, size: int):
+    """The first word of slot ``(parity, source)`` of :func:`peer_all_reduce_add_norm` (its own slots: a
+    stale word of the other kernel could carry the flag it waits for)."""
+    return _COUNTERS + (2 * size + parity * size + source) * MAX_ELEMENTS
 
 
 class PeerAccessError(RuntimeError):
@@ -211,47 +226,109 @@ def allocate_workspace(devices: Sequence[jax.Device]) -> PeerWorkspace:
     return workspace
 
 
-# ------------------------------------------------------------------------------------ the kernel
+# ------------------------------------------------------------------------------------ the kernels
+def _vector(value, width: int):
+    return jnp.zeros((width,), jnp.uint32) + value
+
+
+def _push(table_ref, rank, size: int, bits, words, epoch, pred):
+    """Stores ``bits`` (with the flag ``epoch``, lanes ``pred``) at ``words`` of every peer's workspace; returns
+    ``bits`` through the stores (so what uses them comes after)."""
+    width = bits.shape[0]
+    for step in range(1, size):
+        peer = (rank + step) % size
+        bits = _store(_vector(table_ref[peer, 0], width), _vector(table_ref[peer, 1], width), words, bits, epoch,
+                      pred)
+    return bits
+
+
+def _poll(hi, lo, words, epoch, skip):
+    """Loads ``words`` of this rank's workspace until every lane's flag is ``epoch`` (lanes ``skip``: never
+    waited for); returns the value bits."""
+
+    def waiting(state):
+        _, flag = state
+        return jnp.sum(jnp.where((flag == epoch) | skip, 0, 1)) > 0
+
+    value, _ = lax.while_loop(waiting, lambda state: tuple(_load(hi, lo, words)), tuple(_load(hi, lo, words)))
+    return value
+
+
 def _kernel(table_ref, rank_ref, x_ref, o_ref, *, size: int, elements: int):
     p = pl.program_id(0)
     rank = rank_ref[0]
     lanes = jnp.arange(TILE, dtype=jnp.int32)
     inside = (p * TILE + lanes) < elements
-    zeros = jnp.zeros((TILE,), jnp.uint32)
-    my_hi, my_lo = zeros + table_ref[rank, 0], zeros + table_ref[rank, 1]
-    counter = zeros + p.astype(jnp.uint32)
+    my_hi, my_lo = _vector(table_ref[rank, 0], TILE), _vector(table_ref[rank, 1], TILE)
+    counter = _vector(p.astype(jnp.uint32), TILE)
     _, last = _load(my_hi, my_lo, counter)
     epoch = last + 1  # the same in every lane
     parity = epoch & 1
-    x = x_ref[...]
-    bits = lax.bitcast_convert_type(x, jnp.uint32)
     word = (p * TILE + lanes).astype(jnp.uint32)
-    for step in range(1, size):  # push to every peer
-        peer = (rank + step) % size
-        dst = word + _slot_offset(parity, rank.astype(jnp.uint32), size)
-        bits = _store(zeros + table_ref[peer, 0], zeros + table_ref[peer, 1], dst, bits, epoch,
-                      inside.astype(jnp.uint32))
+    bits = _push(table_ref, rank, size, lax.bitcast_convert_type(x_ref[...], jnp.uint32),
+                 word + _slot_offset(parity, rank.astype(jnp.uint32), size), epoch, inside.astype(jnp.uint32))
     own = lax.bitcast_convert_type(bits, jnp.float32)
     total = None
     for source in range(size):  # sum in rank order
-        src = word + _slot_offset(parity, jnp.uint32(source), size)
-
-        def waiting(state, src=src, source=source):
-            _, flag = state
-            missing = jnp.sum(jnp.where((flag == epoch) | ~inside | (rank == source), 0, 1))
-            return missing > 0
-
-        def poll(state, src=src):
-            del state
-            return tuple(_load(my_hi, my_lo, src))
-
-        value, _ = lax.while_loop(waiting, poll, tuple(_load(my_hi, my_lo, src)))
+        value = _poll(my_hi, my_lo, word + _slot_offset(parity, jnp.uint32(source), size), epoch,
+                      ~inside | (rank == source))
         v = jnp.where(rank == source, own, lax.bitcast_convert_type(value, jnp.float32))
         total = v if total is None else total + v
     # The counter, stored last (lane 0): the result depends on the store, so nothing drops it.
     kept = _store(my_hi, my_lo, counter, lax.bitcast_convert_type(total, jnp.uint32), epoch,
                   (lanes == 0).astype(jnp.uint32))
     o_ref[...] = lax.bitcast_convert_type(kept, jnp.float32)
+
+
+def _add_norm_kernel(table_ref, rank_ref, x_ref, r_ref, w_ref, h_ref, n_ref, *, size: int, width: int,
+                     scale: float, eps: float):
+    """Program ``(row, j)`` of a ``(rows, width // tile)`` grid; the refs are tile ``j`` of the row. It reduces
+    its tile as :func:`_kernel` does, adds it to the residual, and trades its tile's sum of squares with the
+    row's other programs on this GPU (one LL word each: this workspace's partial-sum words), for the norm."""
+    row, j = pl.program_id(0), pl.program_id(1)
+    rank = rank_ref[0]
+    tile = x_ref.shape[-1]
+    tiles = width // tile
+    hi, lo = _vector(table_ref[rank, 0], tile), _vector(table_ref[rank, 1], tile)
+    lanes = jnp.arange(tile, dtype=jnp.int32)
+    counter_base = MAX_PROGRAMS + row * MAX_TILES
+    _, last = _load(hi, lo, _vector((counter_base + j).astype(jnp.uint32), tile))
+    epoch = last + 1  # every counter of a row holds the same count (see the end)
+    parity = epoch & 1
+    word = (row * ROW_WORDS + j * tile + lanes).astype(jnp.uint32)
+    bits = _push(table_ref, rank, size, lax.bitcast_convert_type(x_ref[...], jnp.uint32),
+                 word + _row_slot_offset(parity, rank.astype(jnp.uint32), size), epoch, _vector(1, tile))
+    own = lax.bitcast_convert_type(bits, jnp.float32)
+    total = None
+    for source in range(size):  # sum in rank order
+        value = _poll(hi, lo, word + _row_slot_offset(parity, jnp.uint32(source), size), epoch,
+                      jnp.zeros((tile,), jnp.bool_) | (rank == source))
+        v = jnp.where(rank == source, own, lax.bitcast_convert_type(value, jnp.float32))
+        total = v if total is None else total + v
+    dt = r_ref.dtype
+    h = (r_ref[...] + total.astype(dt) * jnp.asarray(scale, dt)).astype(jnp.float32)  # the reference's roundings
+    # The row's sum of squares: each program's over its tile, traded through this GPU's partial-sum words and
+    # summed in tile order (the same order in every program and on every rank: the replicas stay identical).
+    k = jnp.arange(MAX_TILES, dtype=jnp.int32)
+    k_hi, k_lo = _vector(table_ref[rank, 0], MAX_TILES), _vector(table_ref[rank, 1], MAX_TILES)
+    k_epoch = _vector(jnp.max(epoch), MAX_TILES)
+    k_words = (MAX_PROGRAMS + MAX_ROWS * MAX_TILES + row * MAX_TILES + k).astype(jnp.uint32)
+    mine = lax.bitcast_convert_type(
+        _store(k_hi, k_lo, k_words, lax.bitcast_convert_type(_vector(0, MAX_TILES).astype(jnp.float32)
+                                                               + jnp.sum(h * h), jnp.uint32),
+               k_epoch, (k == j).astype(jnp.uint32)), jnp.float32)
+    theirs = lax.bitcast_convert_type(_poll(k_hi, k_lo, k_words, k_epoch, (k >= tiles) | (k == j)), jnp.float32)
+    squares = jnp.where(k == j, mine, jnp.where(k < tiles, theirs, 0.0))
+    inv = lax.rsqrt(jnp.sum(squares) / width + eps)
+    # The counters, stored last: this program's, and the row's counters past the grid's tiles (j + m * tiles),
+    # so every counter of a row moves together whatever the width of a call, and the epoch a program reads
+    # is the one its peers' programs of the row use. The value stored is h, so the outputs wait for it.
+    spare = j + lanes * tiles
+    kept = _store(hi, lo, (counter_base + spare).astype(jnp.uint32), lax.bitcast_convert_type(h, jnp.uint32),
+                  epoch, (spare < MAX_TILES).astype(jnp.uint32))
+    h = lax.bitcast_convert_type(kept, jnp.float32)
+    h_ref[...] = h.astype(dt)
+    n_ref[...] = (h * inv).astype(dt) * w_ref[...].astype(dt)
 
 
 def peer_all_reduce(x: jax.Array, workspace: PeerWorkspace, axis_name: Hashable) -> jax.Array:
@@ -286,3 +363,46 @@ def peer_all_reduce(x: jax.Array, workspace: PeerWorkspace, axis_name: Hashable)
 def fits(x: jax.Array, workspace: PeerWorkspace | None) -> bool:
     """Whether :func:`peer_all_reduce` takes ``x`` (a workspace, fp32, at most :data:`MAX_ELEMENTS`)."""
     return workspace is not None and x.dtype == jnp.float32 and x.size <= MAX_ELEMENTS
+
+
+def fits_rows(x: jax.Array, workspace: PeerWorkspace | None) -> bool:
+    """Whether :func:`peer_all_reduce_add_norm` takes partial sums ``x [..., H]``: :func:`fits`, ``H`` a power
+    of 2 from 16 to :data:`ROW_WORDS` (tiles of ``ROW_TILE`` or one tile), at most :data:`MAX_ROWS` rows
+    (so at most ``MAX_PROGRAMS`` programs, as :func:`peer_all_reduce`)."""
+    width = x.shape[-1] if x.ndim else 0
+    return (fits(x, workspace) and 16 <= width <= ROW_WORDS and width & (width - 1) == 0
+            and x.size // width <= MAX_ROWS)
+
+
+def peer_all_reduce_add_norm(partial: jax.Array, residual: jax.Array, scale: float, weight: jax.Array, *,
+                             eps: float, workspace: PeerWorkspace,
+                             axis_name: Hashable) -> tuple[jax.Array, jax.Array]:
+    """One kernel for ``h = residual + psum(partial).astype(dt) * scale`` and ``rms_norm(h, weight)``
+    (``pallas_kernels.residual``'s reference ops, the sum through peer memory as :func:`peer_all_reduce`):
+    ``partial [..., H]`` fp32 (:func:`fits_rows`), ``residual [..., H]`` in dt, ``weight [H]`` →
+    ``(h, normed)`` in dt. A row is split over ``H / ROW_TILE`` programs, each reducing its tile as
+    :func:`peer_all_reduce` does (one program a row, or every program polling the whole row, was slower than
+    the all-reduce and XLA's add + norm apart, 2026-11-28), which trade their tiles' sums of squares on
+    the GPU. Call inside ``shard_map``."""
+    from jax.experimental.pallas import triton as plt
+
+    if not fits_rows(partial, workspace):
+        raise ValueError(f"peer_all_reduce_add_norm takes fp32 rows of a power-of-2 width up to {ROW_WORDS}, at "
+                         f"most {MAX_ROWS} of them; got {partial.dtype} {partial.shape}")
+    width = partial.shape[-1]
+    rows = partial.size // width
+    tile = min(ROW_TILE, width)
+    table = workspace.table()
+    block = pl.BlockSpec((None, tile), lambda i, j: (i, j))
+    h, normed = pl.pallas_call(
+        functools.partial(_add_norm_kernel, size=workspace.size, width=width, scale=scale, eps=eps),
+        grid=(rows, width // tile),
+        in_specs=[pl.BlockSpec(table.shape, lambda i, j: (0, 0)), pl.BlockSpec((1,), lambda i, j: (0,)), block, block,
+                  pl.BlockSpec((tile,), lambda i, j: (j,))],
+        out_specs=[block, block],
+        out_shape=[jax.ShapeDtypeStruct((rows, width), residual.dtype)] * 2,
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        name="peer_all_reduce_add_norm",
+    )(jnp.asarray(table), lax.axis_index(axis_name).astype(jnp.int32).reshape(1), partial.reshape(rows, width),
+      residual.reshape(rows, width), weight)
+    return h.reshape(residual.shape), normed.reshape(residual.shape)

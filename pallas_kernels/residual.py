@@ -4,13 +4,16 @@ tensor-parallel devices, scaled, added to the residual, and the next RMSNorm of 
 A row-parallel linear (``o_proj``, ``down_proj``) leaves each device a partial sum of the sublayer's
 output. The reduction sits here, at the block boundary, not inside the linear (as gpt-fast's ``tp.py``
 places it): a collective that also adds the residual and normalises (the fused all-reduce + add + RMSNorm
-of SGLang's and vLLM's custom all-reduce) is then one op with one signature. Only the references exist:
+of SGLang's and vLLM's custom all-reduce) is then one op with one signature. The references are
 XLA's all-reduce (``lax.psum``, which XLA lowers to NCCL or its one-shot kernel), then the add and the norm
 as XLA fuses them. The ``pallas`` namespace's ops (:func:`residual_add`, :func:`residual_add_norm`) reduce
 through :func:`~pallas_kernels.peer_all_reduce.peer_all_reduce` when the axis has a peer-memory workspace
-(``peers``) and the message fits, so XLA keeps the whole step in one CUDA graph; the add and the norm stay
-XLA's fusion. A Pallas add + norm was measured slower on one GPU (docs/lab_notes, twenty-seventh session):
-XLA fuses the preceding GEMM's split-K reduction into the add, which a custom call cannot absorb.
+(``peers``) and the message fits, so XLA keeps the whole step in one CUDA graph; ``residual_add_norm``
+then does the add and the norm in the same kernel
+(:func:`~pallas_kernels.peer_all_reduce.peer_all_reduce_add_norm`) when its rows fit. Without a
+reduction the add and the norm stay XLA's: a Pallas add + norm was measured slower on one GPU (docs/lab_notes,
+twenty-seventh session): XLA fuses the preceding GEMM's split-K reduction into the add, which a custom call
+cannot absorb.
 
 Shapes: ``partial [..., H]`` (fp32 when it is a partial sum over devices, else the residual's dtype),
 ``residual [..., H]`` (the activation dtype), ``weight [H]``; results in the residual's dtype.
@@ -24,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.peer_all_reduce import PeerWorkspace, fits, peer_all_reduce
+from pallas_kernels.peer_all_reduce import PeerWorkspace, fits, fits_rows, peer_all_reduce, peer_all_reduce_add_norm
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -75,6 +78,12 @@ def residual_add(partial: jax.Array, residual: jax.Array, scale: float, *, axis_
 def residual_add_norm(partial: jax.Array, residual: jax.Array, scale: float, weight: jax.Array, *, eps: float,
                       axis_name: Hashable | None = None,
                       peers: PeerWorkspace | None = None) -> tuple[jax.Array, jax.Array]:
-    """:func:`residual_add_norm_reference` with :func:`residual_add`'s reduction."""
+    """:func:`residual_add_norm_reference`: one kernel for the reduction, the add and the norm
+    (:func:`~pallas_kernels.peer_all_reduce.peer_all_reduce_add_norm`) when ``peers`` is given and the rows fit
+    (:func:`~pallas_kernels.peer_all_reduce.fits_rows`), else :func:`residual_add`'s reduction, then XLA's add
+    and norm."""
+    if axis_name is not None and fits_rows(partial, peers):
+        return peer_all_reduce_add_norm(partial, residual, scale, weight, eps=eps, workspace=peers,
+                                        axis_name=axis_name)
     h = residual_add(partial, residual, scale, axis_name=axis_name, peers=peers)
     return h, rms_norm(h, weight, eps)

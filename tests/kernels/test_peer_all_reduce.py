@@ -1,7 +1,8 @@
-"""The peer-memory all-reduce (``pallas_kernels.peer_all_reduce``) where no GPU is: it lowers to one Triton
-kernel for CUDA, the pallas backend chooses it only when a workspace is given and the message fits, its
-address table round-trips, and a mesh of CPU devices is refused with a clear error. Its results against
-``lax.psum`` are checked on GPUs: ``tests/kernels/test_gpu_peer_all_reduce.py``."""
+"""The peer-memory all-reduce (``pallas_kernels.peer_all_reduce``) where no GPU is: it and the fused
+all-reduce + residual add + RMSNorm each lower to one Triton kernel for CUDA, the pallas backend chooses them
+only when a workspace is given and the message fits, the address table round-trips, and a mesh of CPU
+devices is refused with a clear error. Their results against ``lax.psum`` and the reference ops are checked
+on GPUs: ``tests/kernels/test_gpu_peer_all_reduce.py``."""
 
 from __future__ import annotations
 
@@ -16,16 +17,24 @@ from jax.sharding import PartitionSpec as P
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.parallel import AXIS, make_mesh, peer_workspace, use_peer_all_reduce
 from pallas_kernels import backend
-from pallas_kernels.peer_all_reduce import MAX_ELEMENTS, TILE, PeerWorkspace, peer_all_reduce
+from pallas_kernels.peer_all_reduce import (MAX_ELEMENTS, MAX_ROWS, ROW_TILE, TILE, PeerWorkspace,
+                                            peer_all_reduce, peer_all_reduce_add_norm)
 
 WORKSPACE = PeerWorkspace((0x7F12_3456_7000, 0x7F98_7654_3000, 0x1_0000_0000))  # 3 ranks: a padded table
 PALLAS = backend.get("pallas")
 
 
 def _triton_calls(f, *args) -> list[str]:
-    """The Triton custom calls of ``f`` lowered for CUDA (the lowering runs here; no GPU needed)."""
+    """The Triton custom calls of ``f`` lowered for CUDA (the lowering runs here; no GPU needed), each as
+    ``"name XxY"`` (its grid)."""
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    return re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*grid_x = (\d+)", text)
+    calls = []
+    for line in text.splitlines():
+        if "custom_call @__gpu$xla.gpu.triton(" in line:
+            x, y = (re.search(rf"grid_{a} = (\d+)", line).group(1) for a in "xy")
+            name = re.search(r'name = "(\w+)"', line).group(1)
+            calls.append(f"{name} {x}x{y}")
+    return calls
 
 
 def _split(fn, n):
@@ -44,8 +53,19 @@ def test_table_holds_each_address_as_high_and_low_words():
 def test_kernel_lowers_to_one_triton_launch_per_call(rows, width):
     ws = PeerWorkspace(WORKSPACE.addresses[:2])
     f = _split(lambda a: peer_all_reduce(a[0], ws, AXIS)[None], 2)
-    grids = _triton_calls(f, jnp.zeros((2, rows, width), jnp.float32))
-    assert grids == [str(-(-rows * width // TILE))]
+    calls = _triton_calls(f, jnp.zeros((2, rows, width), jnp.float32))
+    assert calls == [f"peer_all_reduce {-(-rows * width // TILE)}x1"]
+
+
+@pytest.mark.parametrize("rows,width", [(1, 4096), (3, 512), (MAX_ROWS, 8192)])
+def test_fused_kernel_lowers_to_one_launch_of_a_program_per_tile_of_each_row(rows, width):
+    ws = PeerWorkspace(WORKSPACE.addresses)
+
+    def f(a):
+        return jnp.stack(peer_all_reduce_add_norm(a[0], a[0].astype(jnp.bfloat16), 0.5, jnp.ones(width), eps=1e-6,
+                                                  workspace=ws, axis_name=AXIS))[None]
+    calls = _triton_calls(_split(f, 3), jnp.zeros((3, rows, width), jnp.float32))
+    assert calls == [f"peer_all_reduce_add_norm {rows}x{-(-width // ROW_TILE)}"]
 
 
 def test_pallas_residual_ops_choose_the_kernel_only_when_it_applies():
@@ -59,8 +79,11 @@ def test_pallas_residual_ops_choose_the_kernel_only_when_it_applies():
             return (PALLAS.residual_add(h, x, 0.5, axis_name=AXIS, peers=peers))[None]
         return _triton_calls(_split(f, 2), jnp.zeros((2, rows, width), jnp.float32))
 
-    assert layer(ws, 4) == ["1", "1"]  # one program a TILE of the message, then XLA's add + norm
-    assert layer(ws, 40, width=96) == ["4", "4"]
+    # the reduction + add + norm in one kernel (a program a row: the width is one tile), then the last
+    # layer's plain reduction (one program a TILE of the message) and XLA's add
+    assert layer(ws, 4) == ["peer_all_reduce_add_norm 4x1", "peer_all_reduce 1x1"]
+    assert layer(ws, 40, width=96) == ["peer_all_reduce 4x1"] * 2  # not a power-of-2 row: XLA's add + norm
+    assert layer(ws, MAX_ROWS + 1) == ["peer_all_reduce 9x1"] * 2  # more rows than the fused kernel takes
     assert layer(None, 4) == []  # no workspace: lax.psum
     assert layer(ws, MAX_ELEMENTS // 256 + 1) == []  # a prefill-sized message: lax.psum
 
@@ -87,6 +110,10 @@ def test_kernel_refuses_what_it_cannot_sum():
     with pytest.raises(ValueError, match="at most"):
         jax.jit(_split(lambda a: peer_all_reduce(a[0], ws, AXIS)[None], 2)).trace(
             jnp.zeros((2, MAX_ELEMENTS + 1), jnp.float32))
+    with pytest.raises(ValueError, match="power-of-2 width"):
+        jax.jit(_split(lambda a: peer_all_reduce_add_norm(a[0], a[0], 1.0, jnp.ones(96), eps=1e-6, workspace=ws,
+                                                          axis_name=AXIS)[0][None], 2)).trace(
+            jnp.zeros((2, 1, 96), jnp.float32))
 
 
 def test_a_mesh_of_cpus_gets_no_workspace():
