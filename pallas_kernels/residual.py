@@ -10,7 +10,7 @@ as XLA fuses them. The ``pallas`` namespace's ops (:func:`residual_add`, :func:`
 through :func:`~pallas_kernels.peer_all_reduce.peer_all_reduce` when the axis has a peer-memory workspace
 (``peers``) and the message fits, so XLA keeps the whole step in one CUDA graph; ``residual_add_norm``
 then does the add and the norm in the same kernel
-(:func:`~pallas_kernels.peer_all_reduce.peer_all_reduce_add_norm`) when its rows fit. Without a
+(:func:`~pallas_kernels.peer_all_reduce.peer_all_reduce_add_norm`) for a decode step of one row. Without a
 reduction the add and the norm stay XLA's: a Pallas add + norm was measured slower on one GPU (docs/lab_notes,
 twenty-seventh session): XLA fuses the preceding GEMM's split-K reduction into the add, which a custom call
 cannot absorb.
@@ -28,6 +28,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.peer_all_reduce import PeerWorkspace, fits, fits_rows, peer_all_reduce, peer_all_reduce_add_norm
+
+# Rows up to which residual_add_norm takes the fused kernel. Measured on 2x H200 (MiniCPM4-8B shape, TP 2,
+# 2026-11-28): one row (batch-1 decode) gained (3.398 -> 3.252 ms/token), 16 rows lost (3.867 -> 4.058); rows in
+# between are not measured, so they keep the plain all-reduce + XLA's add and norm.
+FUSED_ROWS = 1
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -79,10 +84,10 @@ def residual_add_norm(partial: jax.Array, residual: jax.Array, scale: float, wei
                       axis_name: Hashable | None = None,
                       peers: PeerWorkspace | None = None) -> tuple[jax.Array, jax.Array]:
     """:func:`residual_add_norm_reference`: one kernel for the reduction, the add and the norm
-    (:func:`~pallas_kernels.peer_all_reduce.peer_all_reduce_add_norm`) when ``peers`` is given and the rows fit
-    (:func:`~pallas_kernels.peer_all_reduce.fits_rows`), else :func:`residual_add`'s reduction, then XLA's add
-    and norm."""
-    if axis_name is not None and fits_rows(partial, peers):
+    (:func:`~pallas_kernels.peer_all_reduce.peer_all_reduce_add_norm`) when ``peers`` is given, the rows fit
+    (:func:`~pallas_kernels.peer_all_reduce.fits_rows`) and there are at most :data:`FUSED_ROWS`, else
+    :func:`residual_add`'s reduction, then XLA's add and norm."""
+    if axis_name is not None and fits_rows(partial, peers) and partial.size // partial.shape[-1] <= FUSED_ROWS:
         return peer_all_reduce_add_norm(partial, residual, scale, weight, eps=eps, workspace=peers,
                                         axis_name=axis_name)
     h = residual_add(partial, residual, scale, axis_name=axis_name, peers=peers)

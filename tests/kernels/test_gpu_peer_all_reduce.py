@@ -1,9 +1,10 @@
 """The peer-memory all-reduce on GPUs (``pytest -m gpu`` on a machine with 2+ GPUs; skipped elsewhere):
 bit for bit ``lax.psum``'s result for 2 ranks (rank-ordered sums equal to a 1e-6 relative tolerance for
 more), over repeated calls of changing sizes (the counters and the two slots of the protocol), a partial
-last tile, and a device-side loop (XLA's while command buffer); the pallas backend's residual add + RMSNorm
-through it — the fused all-reduce + add + norm kernel where the rows fit, over calls of changing rows and
-widths interleaved with the plain kernel's (each kernel's counters and slots) — against the reference ops."""
+last tile, and a device-side loop (XLA's while command buffer); the fused all-reduce + add + norm kernel
+wherever its rows fit (the backend picks it for one row only), else the pallas backend's residual add + norm
+through the plain kernel, over calls of changing rows and widths interleaved (each kernel's counters and
+slots), against the reference ops."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from minicpm_jax.model.parallel import AXIS, make_mesh, use_peer_all_reduce
 from pallas_kernels import backend
-from pallas_kernels.peer_all_reduce import MAX_ELEMENTS, MAX_ROWS, ROW_WORDS, peer_all_reduce
+from pallas_kernels.peer_all_reduce import (MAX_ELEMENTS, MAX_ROWS, ROW_WORDS, fits_rows, peer_all_reduce,
+                                            peer_all_reduce_add_norm)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(len(jax.devices()) < 2 or jax.default_backend() != "gpu", reason="needs 2+ GPUs")]
@@ -87,8 +89,12 @@ def test_residual_add_norm_through_peers_equals_the_reference(dtype):
 
     def run(ns, peers, parts, residual, weight):
         def f(p, r):
-            h, normed = ns.residual_add_norm(p[0], r[0], 0.25, weight, eps=1e-6, axis_name=AXIS, peers=peers)
-            return jnp.stack([h, normed, ns.residual_add(p[0], normed, 0.5, axis_name=AXIS, peers=peers)])[None]
+            p, r = p[0], r[0]
+            if peers is not None and fits_rows(p, peers):  # the fused kernel at every row count it takes
+                h, normed = peer_all_reduce_add_norm(p, r, 0.25, weight, eps=1e-6, workspace=peers, axis_name=AXIS)
+            else:
+                h, normed = ns.residual_add_norm(p, r, 0.25, weight, eps=1e-6, axis_name=AXIS, peers=peers)
+            return jnp.stack([h, normed, ns.residual_add(p, normed, 0.5, axis_name=AXIS, peers=peers)])[None]
         return np.asarray(jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS),
                                                 check_vma=False))(parts, residual).astype(jnp.float32))
 

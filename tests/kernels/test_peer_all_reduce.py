@@ -19,6 +19,7 @@ from minicpm_jax.model.parallel import AXIS, make_mesh, peer_workspace, use_peer
 from pallas_kernels import backend
 from pallas_kernels.peer_all_reduce import (MAX_ELEMENTS, MAX_ROWS, ROW_TILE, TILE, PeerWorkspace,
                                             peer_all_reduce, peer_all_reduce_add_norm)
+from pallas_kernels.residual import FUSED_ROWS
 
 WORKSPACE = PeerWorkspace((0x7F12_3456_7000, 0x7F98_7654_3000, 0x1_0000_0000))  # 3 ranks: a padded table
 PALLAS = backend.get("pallas")
@@ -79,11 +80,12 @@ def test_pallas_residual_ops_choose_the_kernel_only_when_it_applies():
             return (PALLAS.residual_add(h, x, 0.5, axis_name=AXIS, peers=peers))[None]
         return _triton_calls(_split(f, 2), jnp.zeros((2, rows, width), jnp.float32))
 
-    # the reduction + add + norm in one kernel (a program a row: the width is one tile), then the last
-    # layer's plain reduction (one program a TILE of the message) and XLA's add
-    assert layer(ws, 4) == ["peer_all_reduce_add_norm 4x1", "peer_all_reduce 1x1"]
-    assert layer(ws, 40, width=96) == ["peer_all_reduce 4x1"] * 2  # not a power-of-2 row: XLA's add + norm
-    assert layer(ws, MAX_ROWS + 1) == ["peer_all_reduce 9x1"] * 2  # more rows than the fused kernel takes
+    # one row: the reduction + add + norm in one kernel (a program a row: the width is one tile), then the
+    # last layer's plain reduction (one program a TILE of the message) and XLA's add
+    assert layer(ws, 1) == ["peer_all_reduce_add_norm 1x1", "peer_all_reduce 1x1"]
+    assert layer(ws, 1, width=4096) == [f"peer_all_reduce_add_norm 1x{4096 // ROW_TILE}", "peer_all_reduce 4x1"]
+    assert layer(ws, FUSED_ROWS + 3) == ["peer_all_reduce 1x1"] * 2  # more rows than FUSED_ROWS: XLA's add + norm
+    assert layer(ws, 1, width=96) == ["peer_all_reduce 1x1"] * 2  # not a power-of-2 row
     assert layer(None, 4) == []  # no workspace: lax.psum
     assert layer(ws, MAX_ELEMENTS // 256 + 1) == []  # a prefill-sized message: lax.psum
 
