@@ -50,7 +50,7 @@ MAX_ELEMENTS = TILE * MAX_PROGRAMS  # the largest message (256K fp32; a batch of
 # The fused all-reduce + residual add + RMSNorm (:func:`peer_all_reduce_add_norm`) works in rows:
 ROW_WORDS = 8192  # the widest row (a row's place in the workspace: ``row * ROW_WORDS``)
 MAX_ROWS = MAX_ELEMENTS // ROW_WORDS  # rows per call (32)
-ROW_TILE = 1024  # elements a program pushes (each program polls the whole row)
+ROW_TILE = 1024  # elements a program reduces (a row's programs then trade their sums of squares)
 MAX_TILES = ROW_WORDS // ROW_TILE  # counters a row (8)
 _COUNTERS = MAX_PROGRAMS + 2 * MAX_ROWS * MAX_TILES  # the flat kernel's counters, the rows', their partial sums
 _WORD = 8  # bytes of one LL word: {fp32 bits, flag}
@@ -306,7 +306,9 @@ def _add_norm_kernel(table_ref, rank_ref, x_ref, r_ref, w_ref, h_ref, n_ref, *, 
         v = jnp.where(rank == source, own, lax.bitcast_convert_type(value, jnp.float32))
         total = v if total is None else total + v
     dt = r_ref.dtype
-    h = (r_ref[...] + total.astype(dt) * jnp.asarray(scale, dt)).astype(jnp.float32)  # the reference's roundings
+    # The reference's formula: the sum cast to dt, scaled and added in dt (Triton may contract the two into one
+    # FMA where XLA rounds twice: equal to the reference within dt's rounding, identical on every rank).
+    h = (r_ref[...] + total.astype(dt) * jnp.asarray(scale, dt)).astype(jnp.float32)
     # The row's sum of squares: each program's over its tile, traded through this GPU's partial-sum words and
     # summed in tile order (the same order in every program and on every rank: the replicas stay identical).
     k = jnp.arange(MAX_TILES, dtype=jnp.int32)

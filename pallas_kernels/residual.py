@@ -29,9 +29,10 @@ from jax import lax
 
 from pallas_kernels.peer_all_reduce import PeerWorkspace, fits, fits_rows, peer_all_reduce, peer_all_reduce_add_norm
 
-# Rows up to which residual_add_norm takes the fused kernel. Measured on 2x H200 (MiniCPM4-8B shape, TP 2,
-# 2026-11-28): one row (batch-1 decode) gained (3.398 -> 3.252 ms/token), 16 rows lost (3.867 -> 4.058); rows in
-# between are not measured, so they keep the plain all-reduce + XLA's add and norm.
+# Rows up to which residual_add_norm takes the fused kernel. Measured end to end on 2x H200 (MiniCPM4-8B shape,
+# TP 2, 2026-11-28): one row (batch-1 decode) gained (3.398 -> 3.252 ms/token), 16 rows lost (3.867 -> 4.058).
+# Rows in between have no end-to-end row (a chained-call probe's ~20 us of overhead a call hid the kernels'
+# few), so they keep the plain all-reduce + XLA's add and norm.
 FUSED_ROWS = 1
 
 
