@@ -52,7 +52,9 @@ ROW_WORDS = 8192  # the widest row (a row's place in the workspace: ``row * ROW_
 MAX_ROWS = MAX_ELEMENTS // ROW_WORDS  # rows per call (32)
 ROW_TILE = 1024  # elements a program reduces (a row's programs then trade their sums of squares)
 MAX_TILES = ROW_WORDS // ROW_TILE  # counters a row (8)
-_COUNTERS = MAX_PROGRAMS + 2 * MAX_ROWS * MAX_TILES  # the flat kernel's counters, the rows', their partial sums
+_ROW_COUNTERS = MAX_PROGRAMS  # first word of the rows' counters (after the flat kernel's)
+_ROW_PARTIALS = _ROW_COUNTERS + MAX_ROWS * MAX_TILES  # first word of the rows' programs' sums of squares
+_COUNTERS = _ROW_PARTIALS + MAX_ROWS * MAX_TILES  # counter-like words in all; the slots follow
 _WORD = 8  # bytes of one LL word: {fp32 bits, flag}
 
 
@@ -291,7 +293,7 @@ def _add_norm_kernel(table_ref, rank_ref, x_ref, r_ref, w_ref, h_ref, n_ref, *, 
     tiles = width // tile
     hi, lo = _vector(table_ref[rank, 0], tile), _vector(table_ref[rank, 1], tile)
     lanes = jnp.arange(tile, dtype=jnp.int32)
-    counter_base = MAX_PROGRAMS + row * MAX_TILES
+    counter_base = _ROW_COUNTERS + row * MAX_TILES
     _, last = _load(hi, lo, _vector((counter_base + j).astype(jnp.uint32), tile))
     epoch = last + 1  # every counter of a row holds the same count (see the end)
     parity = epoch & 1
@@ -314,7 +316,7 @@ def _add_norm_kernel(table_ref, rank_ref, x_ref, r_ref, w_ref, h_ref, n_ref, *, 
     k = jnp.arange(MAX_TILES, dtype=jnp.int32)
     k_hi, k_lo = _vector(table_ref[rank, 0], MAX_TILES), _vector(table_ref[rank, 1], MAX_TILES)
     k_epoch = _vector(jnp.max(epoch), MAX_TILES)
-    k_words = (MAX_PROGRAMS + MAX_ROWS * MAX_TILES + row * MAX_TILES + k).astype(jnp.uint32)
+    k_words = (_ROW_PARTIALS + row * MAX_TILES + k).astype(jnp.uint32)
     mine = lax.bitcast_convert_type(
         _store(k_hi, k_lo, k_words, lax.bitcast_convert_type(_vector(0, MAX_TILES).astype(jnp.float32)
                                                                + jnp.sum(h * h), jnp.uint32),
