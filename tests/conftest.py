@@ -89,6 +89,28 @@ def smollm2_dir(demo_cache) -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_2_layers_dir(smollm2_dir, tmp_path_factory) -> str:
+    """The demo model cut to its first two decoder layers: its config otherwise (9 query heads, 3 KV heads,
+    head_dim 64, tied embeddings, no sparse_config), its real weights, tokenizer and chat template. For CLI
+    tests whose claim is about flags and kernels, not the answer's quality: they compile two layers, not 30."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    path = tmp_path_factory.mktemp("smollm2_2_layers") / "ckpt"
+    with open(os.path.join(smollm2_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_hidden_layers"] = 2
+    weights = {name: w for name, w in load_file(os.path.join(smollm2_dir, "model.safetensors")).items()
+               if not name.startswith("model.layers.") or int(name.split(".")[2]) < 2}
+    helpers.write_checkpoint(str(path), cfg, weights)
+    for name in os.listdir(smollm2_dir):
+        if name not in ("config.json", "model.safetensors") and not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(smollm2_dir, name), path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def hf_smollm2(smollm2_gguf):
     """transformers LlamaForCausalLM loaded by transformers itself from the same GGUF (the oracle).
 

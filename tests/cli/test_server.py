@@ -290,12 +290,14 @@ def test_api_key_required(server):
 
 
 def test_full_queue_gets_429_and_the_api_survives_fuzzing(smollm2_dir):
-    # A 64-token context (the 35-token prompt + 24): fuzzed requests without max_tokens generate to its end,
-    # which was most of this test's time at 96.
-    small = Server("--max_batch_size", "1", "--max_queue", "1", "--max_length", "64", "--decode_block", "4",
+    # A 40-token context (the 35-token prompt + 4): fuzzed requests without max_tokens generate to its end
+    # (their ~30-token prompts: 10 tokens, not the 34 of a 64-token context, which were half of this test's
+    # time). The first request compiles the server's programs (--nowarm_up): the other five arrive while
+    # it holds the one slot and the queue's one place.
+    small = Server("--max_batch_size", "1", "--max_queue", "1", "--max_length", "40", "--decode_block", "4",
                    "--nowarm_up")
     try:
-        body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 24,
+        body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 4,
                 "temperature": 0}
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             codes = list(pool.map(lambda _: httpx.post(small.url + "/v1/chat/completions", json=body, timeout=120), range(6)))
