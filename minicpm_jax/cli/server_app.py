@@ -259,7 +259,8 @@ def create_app(scheduler, tokenizer, *, model_name: str, stop_ids: list[int], ap
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo with logprobs would need the prompt's log-probabilities, which are not "
                                 "computed; drop one of them", param="echo")
-        return body.logprobs, (body.prompt if body.echo else "")
+        prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]  # one (the caller checks)
+        return body.logprobs, (prompt if body.echo else "")
 
     async def _run(body: SamplingFields, ids: list[int], max_tokens: int | None, http: HTTPRequest, kind: str):
         stops, sampling, budget = _prepare(body, ids, max_tokens)

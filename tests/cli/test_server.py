@@ -437,7 +437,8 @@ def test_logprobs_in_openai_shapes_streamed_and_not(client):
 
 def test_n_choices_and_echo(client):
     """n > 1: n choices, each its own slot and seed stream (choice 0 is the request's seed), usage summed;
-    streamed per index as the non-streamed ones. echo puts the prompt before the completion."""
+    streamed per index as the non-streamed ones. echo puts the prompt before the completion, whether the
+    prompt is a string or a one-string list."""
     kw = dict(model="smollm2", max_tokens=12, temperature=1.0, seed=7,
               messages=[{"role": "user", "content": "Tell me a word."}])
     three = client.chat.completions.create(n=3, **kw)
@@ -463,6 +464,12 @@ def test_n_choices_and_echo(client):
     echoed = client.completions.create(model="smollm2", prompt=prompt, max_tokens=5, temperature=0, echo=True)
     assert echoed.choices[0].text == prompt + plain.choices[0].text
     stream = client.completions.create(model="smollm2", prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in stream) == echoed.choices[0].text
+    # The prompt as a one-string list echoes that string (the fuzzer once found a 500 here), streamed too.
+    listed = client.completions.create(model="smollm2", prompt=[prompt], max_tokens=5, temperature=0, echo=True)
+    assert listed.choices[0].text == echoed.choices[0].text
+    stream = client.completions.create(model="smollm2", prompt=[prompt], max_tokens=5, temperature=0, echo=True,
                                        stream=True)
     assert "".join(c.choices[0].text for c in stream) == echoed.choices[0].text
 
