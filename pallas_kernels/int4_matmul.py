@@ -16,11 +16,12 @@ Two kernels (``KERNELS``; :func:`default_kernel` picks one):
   or their transpose with the codes as the left operand (``planes_t``, faster for 17..64 rows). Nothing is
   reshaped inside the loop.
 * ``tile``: unpacks a ``[block_k, block_n]`` tile with shifts and masks into code order, then a GEMV (one
-  row) or ``jnp.dot`` on the dequantized tile (2..``MAX_KERNEL_ROWS`` rows, padded to a multiple of 16).
-  More than 64 rows and 2+ rows with scale groups under 128 run it.
+  row) or ``jnp.dot`` on the dequantized tile (rows padded to a multiple of 16). 2..64 rows with scale
+  groups under 128 run it (and any row count given an explicit ``config``).
 
-More than ``MAX_KERNEL_ROWS`` rows (prefill chunks) run :func:`int4_matmul_prefill`: the weight
-dequantized whole once the layer's input exists (so no layer's dequantized copy is held early), XLA's GEMM.
+More than ``MAX_KERNEL_ROWS`` rows (prefill chunks, large batches) run :func:`int4_matmul_prefill`: the
+weight dequantized whole by :func:`dequantize_kernel` once the layer's input exists (so no layer's
+dequantized copy is held early), then XLA's GEMM.
 
 Scales are applied once per group to the partial sum: ``Σ x·s·(q − z) = s·(Σ x·q − z·Σ x)``.
 
@@ -45,7 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.launch import KernelConfig, launch_options, next_power_of_2, num_cores
+from pallas_kernels.launch import KernelConfig, is_power_of_2, launch_options, next_power_of_2, num_cores
 
 SYM_ZERO = 8
 
@@ -73,9 +74,11 @@ DOT_CONFIGS = {
 }
 
 
-# Above this many rows (prefill chunks) dequantizing the whole weight once and running the XLA (cuBLAS)
-# GEMM beats re-dequantizing every weight tile for each block of rows (BENCHMARKS.md, prefill rows).
-MAX_KERNEL_ROWS = 256
+# Above this many rows (prefill chunks, large batches, wide trees) dequantizing the whole weight once
+# (dequantize_kernel) and running the XLA (cuBLAS) GEMM beats re-dequantizing every weight tile for each block
+# of rows: H200, 2026-11-29, 65..256 rows: gate_up 178-219 us vs the tile kernel's 223-393, down 104-115 vs
+# 128-235 (docs/lab_notes/2026-11-29-thirty-fifth-session.md).
+MAX_KERNEL_ROWS = 64
 
 
 KERNELS = ("tile", "planes", "planes_t")
@@ -139,19 +142,98 @@ def int4_matmul_reference(x, qweight, scales, zeros=None, perm=None, *, group_si
     return jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision).astype(out_dtype or x.dtype)
 
 
-def int4_matmul_prefill(x, qweight, scales, zeros=None, perm=None, *, group_size: int, out_dtype=None):
-    """:func:`int4_matmul_reference` (same signature: the whole weight dequantized, then one XLA GEMM) for
-    prefill chunks, with the dequantization made to read x: x's first element times zero is added to the
-    scales (exact; 0 for a non-finite element too), so it cannot start before the layer's input exists.
-
-    From the parameters alone XLA's scheduler may start every layer's dequantization early and hold all
-    layers' dequantized weights at once (the CPU compiler does; an int4 prefill chunk of MiniCPM4-8B on an
-    H200 once held 13.4 GB of them). An optimization barrier does not prevent it (XLA removes barriers
-    before scheduling); dequantizing a slice of columns at a time in a loop does, at 0–14% of prefill
-    (docs/int4.md)."""
+def scales_after_input(x: jax.Array, scales: jax.Array) -> jax.Array:
+    """``scales`` plus x's first element times zero (exact; 0 for a non-finite element too): the same
+    values, but anything computed from them now waits for x (see :func:`int4_matmul_prefill`)."""
     first = x.reshape(-1)[0]
-    scales = scales + (jnp.where(jnp.isfinite(first), first, 0) * 0).astype(scales.dtype)
-    return int4_matmul_reference(x, qweight, scales, zeros, perm, group_size=group_size, out_dtype=out_dtype)
+    return scales + (jnp.where(jnp.isfinite(first), first, 0) * 0).astype(scales.dtype)
+
+
+def int4_matmul_prefill(x, qweight, scales, zeros=None, perm=None, *, group_size: int, out_dtype=None,
+                        interpret: bool | None = None):
+    """:func:`int4_matmul_reference` (same signature, plus ``interpret``) for prefill chunks: the whole weight
+    dequantized by :func:`dequantize_kernel` (one memory-bound pass), then XLA's GEMM (cuBLAS).
+
+    The dequantization reads x: x's first element times zero is added to the scales (exact; 0 for a
+    non-finite element too), so it cannot start before the layer's input exists. From the parameters
+    alone XLA's scheduler may start every layer's dequantization early and hold all layers' dequantized
+    weights at once (the CPU compiler does; an int4 prefill chunk of MiniCPM4-8B on an H200 once held
+    13.4 GB of them); an optimization barrier does not prevent it (XLA removes barriers before scheduling).
+
+    A GEMM that dequantizes in its tiles (Pallas, Triton lowering) was measured and is slower: 1.6× this at
+    1,024 rows of gate_up on an H200, though a plain bf16 Pallas GEMM of the same structure matches cuBLAS
+    (docs/lab_notes/2026-11-29-thirty-fifth-session.md)."""
+    scales = scales_after_input(x, scales)
+    if perm is not None:
+        x = jnp.take(x, perm, axis=-1)
+    n = qweight.shape[1]
+    if _dequant_blocks(n, group_size, DEQUANT_TILE) is None:  # tiles Triton cannot take: XLA's fusion
+        w = dequantize(qweight, scales, zeros, group_size=group_size, dtype=x.dtype)
+    else:
+        w = dequantize_kernel(qweight, scales, zeros, group_size=group_size, dtype=x.dtype, interpret=interpret)
+    if x.dtype != jnp.float32 and jnp.dtype(out_dtype or x.dtype) == x.dtype:
+        # The GEMM writes x's dtype itself (cuBLAS accumulates in fp32 either way): an fp32 result converted
+        # after it costs a write and a read of the fp32 output, 48 us a gate_up at 1,024 rows (H200).
+        return jnp.dot(x, w)
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision).astype(out_dtype or x.dtype)
+
+
+def _dequantize_tile(w_ref, s_ref, *rest, has_zeros):
+    """One ``[BK/8, BN]`` word tile (one scale group row) → ``[BK, BN]`` weights in natural row order:
+    word row r's nibble p goes to row ``8r + p`` (a broadcast over a middle axis and a row-major merge, so
+    the stores are whole rows), ``(q − z)·s`` in float32 as :func:`dequantize` computes it, then rounded."""
+    z_ref, o_ref = rest if has_zeros else (None, rest[0])
+    rows, block_n = w_ref.shape
+    shifts = 4 * lax.broadcasted_iota(jnp.int32, (1, 8, 1), 1)
+    q = ((w_ref[...][:, None, :] >> shifts) & 0xF).reshape(8 * rows, block_n)
+    qf = lax.bitcast_convert_type(q | 0x4B000000, jnp.float32) - 8388608.0  # exact: q as float32
+    z = z_ref[...].astype(jnp.float32) if has_zeros else float(SYM_ZERO)
+    o_ref[...] = ((qf - z) * s_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
+
+
+# The dequantization pass's tile (input rows x columns, warps): H200, 2026-11-29, MiniCPM4-8B linears, g128
+# (docs/lab_notes/2026-11-29-thirty-fifth-session.md): gate_up 107 us = 3.1 TB/s of int4 read + bf16 written,
+# down 59, qkv 34, o 39 us, against XLA's fusion of dequantize() at 175 / 96 / 54 / 46 us.
+DEQUANT_TILE = (64, 512, 4)
+
+
+def _dequant_blocks(n: int, group_size: int, tile: tuple[int, int, int]) -> tuple[int, int] | None:
+    """(input rows, columns) of :func:`dequantize_kernel`'s tile for ``n`` columns and ``group_size``, or None
+    where they would not be powers of 2 (Triton's block shapes must be)."""
+    block_k = _chunk(tile[0], group_size)
+    block_n = _largest_pow2_divisor(n, tile[1], 8)
+    return (block_k, block_n) if is_power_of_2(block_k // 8) and is_power_of_2(block_n) else None
+
+
+def dequantize_kernel(qweight, scales, zeros=None, *, group_size: int, dtype=jnp.float32,
+                      tile: tuple[int, int, int] | None = None, interpret: bool | None = None):
+    """:func:`dequantize` (same signature, plus the launch ``tile`` and ``interpret``) as one Pallas kernel:
+    a ``[block_k, block_n]`` output tile per program, ``block_k`` inside one scale group.
+
+    qweight ``int32 [K/8, N]``; scales / zeros ``[K/group_size, N]``; returns ``[K, N]`` in ``dtype``,
+    equal to :func:`dequantize` bit for bit."""
+    k, n = _shape_kn(qweight)
+    tile = tile or DEQUANT_TILE
+    blocks = _dequant_blocks(n, group_size, tile)
+    if blocks is None:
+        raise ValueError(f"no power-of-2 dequantization tile for N={n}, group_size={group_size}")
+    (block_k, block_n), num_warps = blocks, tile[2]
+    per_group = group_size // block_k
+    group_spec = pl.BlockSpec((1, block_n), lambda i, j: (i // per_group, j))
+    in_specs = [pl.BlockSpec((block_k // 8, block_n), lambda i, j: (i, j)), group_spec]
+    args = [qweight.astype(jnp.int32), scales]
+    if zeros is not None:
+        in_specs.append(group_spec)
+        args.append(zeros)
+    return pl.pallas_call(
+        functools.partial(_dequantize_tile, has_zeros=zeros is not None),
+        grid=(k // block_k, n // block_n),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((block_k, block_n), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((k, n), dtype),
+        **launch_options(KernelConfig(block_k, block_n, num_warps, 1), interpret),
+    )(*args)
 
 
 def _codes_to_f32(q: jax.Array) -> jax.Array:
@@ -392,7 +474,8 @@ def int4_matmul(
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     if m > MAX_KERNEL_ROWS and config is None:  # prefill chunks: dequantize after x exists, XLA's GEMM
-        return int4_matmul_prefill(x, qweight, scales, zeros, perm, group_size=group_size, out_dtype=out_dtype)
+        return int4_matmul_prefill(x, qweight, scales, zeros, perm, group_size=group_size, out_dtype=out_dtype,
+                                   interpret=interpret)
     kernel = kernel or default_kernel(m, group_size)
     if kernel not in KERNELS:
         raise ValueError(f"unknown int4 kernel {kernel!r}; expected one of {KERNELS}")

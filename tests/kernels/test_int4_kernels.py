@@ -67,13 +67,16 @@ def test_int4_matmul_matches_numpy(k, n, gs, sym, act_order, m, splits, config):
     np.testing.assert_allclose(np.asarray(deq), stored.dequantize(), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("gs,sym,act_order", [(32, False, True), (512, True, False), (64, True, False)],
-                         ids=["asym-g32-actorder", "sym-perchannel", "sym-g64"])
-def test_prefill_chunks_match_the_oracle(gs, sym, act_order):
+@pytest.mark.parametrize("gs,sym,act_order,n", [(32, False, True, 128), (512, True, False, 128), (64, True, False, 128),
+                                                (48, False, False, 100)],
+                         ids=["asym-g32-actorder", "sym-perchannel", "sym-g64", "g48-n100-no-pow2-tile"])
+def test_prefill_chunks_match_the_oracle(gs, sym, act_order, n):
     """More than MAX_KERNEL_ROWS rows run int4_matmul_prefill: the float64 oracle's product (act-order
-    permutes x first), also when the first element of x — which the dequantization reads — is not finite."""
+    permutes x first), also when the first element of x — which the dequantization reads — is not finite,
+    and for shapes the dequantization kernel cannot tile in powers of 2 (which it refuses; XLA's fusion
+    dequantizes those)."""
     rng = np.random.default_rng(gs + sym)
-    k, n, m = 512, 128, kern.MAX_KERNEL_ROWS + 3
+    k, m = 384 if gs == 48 else 512, kern.MAX_KERNEL_ROWS + 3
     w = random_weight(rng, k, n, gs, sym=sym, act_order=act_order)
     arrays = {name: jnp.asarray(a) for name, a in int4.to_engine(w).items()}
     x = rng.standard_normal((1, m, k)).astype(np.float32)
@@ -85,15 +88,37 @@ def test_prefill_chunks_match_the_oracle(gs, sym, act_order):
     x[0, 0, 0] = np.inf  # the element the dequantization reads: the other rows must stay exact
     y = kern.int4_matmul_prefill(jnp.asarray(x), **arrays, group_size=gs)
     assert_close(y[0, 1:], want[1:], 1e-5)
+    if gs == 48:
+        with pytest.raises(ValueError, match="power-of-2"):
+            kern.dequantize_kernel(arrays["qweight"], arrays["scales"], arrays.get("zeros"), group_size=gs)
+
+
+@pytest.mark.parametrize("gs,sym,dtype,tile", [
+    (128, True, jnp.bfloat16, None), (32, False, jnp.float32, None), (256, False, jnp.bfloat16, (128, 64, 4)),
+    (64, True, jnp.float16, (32, 512, 4))], ids=["sym-g128-bf16", "asym-g32-f32", "asym-g256-tile128", "sym-g64-f16"])
+def test_dequantize_kernel_equals_the_reference(gs, sym, dtype, tile):
+    """The prefill's dequantization pass, bit for bit :func:`dequantize` (which the oracle checks above):
+    natural row order across words and tiles, a tile shorter or longer than a scale group, zero points."""
+    rng = np.random.default_rng(gs + sym)
+    k, n = 512, 192
+    e = {name: jnp.asarray(a, dtype) if name in ("scales", "zeros") else jnp.asarray(a)
+         for name, a in int4.to_engine(random_weight(rng, k, n, gs, sym=sym)).items()}
+    args = (e["qweight"], e["scales"], e.get("zeros"))
+    want = kern.dequantize(*args, group_size=gs, dtype=dtype)
+    got = kern.dequantize_kernel(*args, group_size=gs, dtype=dtype, tile=tile)
+    assert got.dtype == dtype and got.shape == (k, n)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_prefill_holds_one_dequantized_weight_at_a_time():
     """A chain of int4 prefill linears (XLA's buffer assignment, compiled without running): with the whole
     weight dequantized from the parameters alone (the reference), the CPU compiler keeps every layer's
     dequantized copy live at once (program memory grows by a weight per layer, as a MiniCPM4-8B prefill
-    chunk on an H200 once did: 13.4 GB); int4_matmul_prefill, whose dequantization reads x, grows by the
-    activations only. (The GPU compiler does not hoist in a chain this small, so there only the second
-    half is asserted.)"""
+    chunk on an H200 once did: 13.4 GB); with the scales made to wait for x (``scales_after_input``, what
+    int4_matmul_prefill does) it grows by the activations only. On a GPU the compiled int4_matmul_prefill
+    itself is checked (that compiler does not hoist in a chain this small, so there only that half runs;
+    on the CPU its interpret-mode kernel is a loop whose buffers XLA does not share between layers, with or
+    without the dependency, which says nothing of the GPU program)."""
     import jax
 
     k, n, m = 4096, 4096, kern.MAX_KERNEL_ROWS + 4
@@ -109,11 +134,16 @@ def test_prefill_holds_one_dequantized_weight_at_a_time():
                 [jax.ShapeDtypeStruct((k // 128, n), jnp.float16)] * layers)
         return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
+    def after_input(x, q, s, *, group_size):
+        return kern.int4_matmul_reference(x, q, kern.scales_after_input(x, s), group_size=group_size)
+
     if jax.default_backend() == "cpu":
         whole = temp_bytes(kern.int4_matmul_reference, 6) - temp_bytes(kern.int4_matmul_reference, 1)
         assert whole > 3 * weight_bytes  # the failure this guards against is real on this compiler
-    prefill = temp_bytes(kern.int4_matmul_prefill, 6) - temp_bytes(kern.int4_matmul_prefill, 1)
-    assert prefill < weight_bytes
+        chained = temp_bytes(after_input, 6) - temp_bytes(after_input, 1)
+    else:
+        chained = temp_bytes(kern.int4_matmul_prefill, 6) - temp_bytes(kern.int4_matmul_prefill, 1)
+    assert chained < weight_bytes
 
 
 def test_int4_matmul_leading_dims_and_gptq_checkpoint():
@@ -217,7 +247,7 @@ def test_int4_matmul_rejects_mismatched_inputs():
 
 
 # ----------------------------------------------------------------------------------- 6. GPU
-_GPU_CASES = [  # (m, sym, act_order); 2..64 rows run the plane kernels
+_GPU_CASES = [  # (m, sym, act_order); 2..64 rows run the plane kernels, > MAX_KERNEL_ROWS the prefill pass
     (1, True, False),
     (16, True, False),
     (64, False, False),
@@ -225,6 +255,7 @@ _GPU_CASES = [  # (m, sym, act_order); 2..64 rows run the plane kernels
     (5, False, True),
     (32, True, True),
     (100, True, False),
+    (kern.MAX_KERNEL_ROWS + 44, False, True),
 ]
 
 

@@ -53,14 +53,16 @@ def test_gpu_greedy_generation_matches_cpu(tiny_ckpt):
 
 def test_gpu_int4_model_matches_cpu_reference(tiny_ckpt):
     """int4 (RTN at load, group 32): the Pallas dequant-GEMM on the GPU against the jnp reference on the
-    CPU: a 57-row forward (the tensor-core path) and greedy decoding (the GEMV path)."""
+    CPU: a 57-row forward (the tensor-core tile kernel), a 100-row one (more than MAX_KERNEL_ROWS: the
+    dequantization kernel and XLA's GEMM) and greedy decoding (the GEMV path)."""
     path = tiny_ckpt[0]
-    ids = np.random.default_rng(1).integers(0, 97, 57)
     kw = dict(quant="int4", group_size=32)
-    ref = _logits(path, ids, jnp.float32, _cpu(), **kw)
     gpu = jax.devices("gpu")[0]
-    assert helpers.rel_err(_logits(path, ids, jnp.float32, gpu, **kw), ref) < 1e-5
-    assert helpers.rel_err(_logits(path, ids, jnp.bfloat16, gpu, **kw), ref) < 3e-2
+    for rows in (57, 100):
+        ids = np.random.default_rng(rows).integers(0, 97, rows)
+        ref = _logits(path, ids, jnp.float32, _cpu(), **kw)
+        assert helpers.rel_err(_logits(path, ids, jnp.float32, gpu, **kw), ref) < 1e-5
+        assert helpers.rel_err(_logits(path, ids, jnp.bfloat16, gpu, **kw), ref) < 3e-2
     prompts = [list(np.random.default_rng(i).integers(0, 97, n)) for i, n in enumerate((9, 20))]
     out = {}
     for name, device in (("cpu", _cpu()), ("gpu", gpu)):
