@@ -104,6 +104,8 @@ flags.DEFINE_integer("spec_oracle_tree_size", 32, "spec: tree nodes of the oracl
 flags.DEFINE_integer("spec_frspec_vocab", 32768, "spec: FR-Spec draft vocabulary of the oracle rounds (0 = full).")
 flags.DEFINE_list("prefill_contexts", ["2048", "8192", "32768"], "kernels: causal prompt lengths.")
 flags.DEFINE_list("decode_contexts", ["1024", "8192", "32768", "131072"], "kernels: cache lengths for decode.")
+flags.DEFINE_integer("decode_kernel_layers", 0, "kernels: layers' caches per timed decode call (0 = enough to stream "
+                     "past L2, at most 32; fewer compile faster).", lower_bound=0)
 flags.DEFINE_list("tensor_parallel", ["1"], "e2e: device counts to split the model over (tensor parallelism), one row "
                   "set each; collectives: the largest is the mesh.")
 flags.DEFINE_boolean("spmd_single", False, "e2e: also run size 1 through the sharded (SPMD) program.")
@@ -234,7 +236,8 @@ def _main():
         tables.append(load_markdown(result["load"]))
     if "kernels" in FLAGS.scenarios:
         result["kernels"] = bench_kernels(FLAGS.shape, _int_list("prefill_contexts", FLAGS.prefill_contexts),
-                                          _int_list("decode_contexts", FLAGS.decode_contexts), dtype, FLAGS.repeats)
+                                          _int_list("decode_contexts", FLAGS.decode_contexts), dtype, FLAGS.repeats,
+                                          FLAGS.decode_kernel_layers)
         tables.append(kernels_markdown(result["kernels"], bandwidth, flops))
     if "int4" in FLAGS.scenarios:
         config = ModelConfig.from_dict(SHAPES[FLAGS.shape])

@@ -64,12 +64,13 @@ def bench_prefill_kernel(config: ModelConfig, ctx: int, dtype, repeats: int) -> 
     return {"context": ctx, "flop": flop, "seconds": _time_impls(impls, args, iters, repeats)}
 
 
-def bench_decode_kernel(config: ModelConfig, ctx: int, dtype, repeats: int) -> dict:
+def bench_decode_kernel(config: ModelConfig, ctx: int, dtype, repeats: int, layers: int = 0) -> dict:
     """One query token per sequence against ``ctx`` cached keys; successive calls read different layers'
-    caches so the K/V bytes come from HBM, not L2."""
+    caches so the K/V bytes come from HBM, not L2. ``layers``: layers per timed call (0 = enough to stream
+    past L2, at most 32; fewer compile faster, for smoke runs)."""
     itemsize = jnp.dtype(dtype).itemsize
     kv_bytes = 2 * config.num_kv_heads * ctx * config.head_dim * itemsize  # per layer, K and V
-    layers = max(1, min(32, -(-4 * L2_BYTES // kv_bytes)))
+    layers = layers or max(1, min(32, -(-4 * L2_BYTES // kv_bytes)))
     q, k, v = _attention_inputs(config, 1, ctx, layers, dtype, seed=ctx)
     positions = jnp.array([[ctx - 1]], jnp.int32)
     lengths = jnp.array([ctx], jnp.int32)
@@ -95,13 +96,14 @@ def bench_decode_kernel(config: ModelConfig, ctx: int, dtype, repeats: int) -> d
     return {"context": ctx, "bytes": kv_bytes, "layers": layers, "seconds": per_call}
 
 
-def bench_kernels(shape: str, prefill_contexts: list[int], decode_contexts: list[int], dtype, repeats: int) -> dict:
+def bench_kernels(shape: str, prefill_contexts: list[int], decode_contexts: list[int], dtype, repeats: int,
+                  decode_layers: int = 0) -> dict:
     config = ModelConfig.from_dict(SHAPES[shape])
     return {
         "heads": [config.num_heads, config.num_kv_heads, config.head_dim],
         "dtype": jnp.dtype(dtype).name,
         "prefill": [bench_prefill_kernel(config, c, dtype, repeats) for c in prefill_contexts],
-        "decode": [bench_decode_kernel(config, c, dtype, repeats) for c in decode_contexts],
+        "decode": [bench_decode_kernel(config, c, dtype, repeats, decode_layers) for c in decode_contexts],
     }
 
 
