@@ -187,7 +187,7 @@ def _dequantize_tile(w_ref, s_ref, *rest, has_zeros):
     rows, block_n = w_ref.shape
     shifts = 4 * lax.broadcasted_iota(jnp.int32, (1, 8, 1), 1)
     q = ((w_ref[...][:, None, :] >> shifts) & 0xF).reshape(8 * rows, block_n)
-    qf = lax.bitcast_convert_type(q | 0x4B000000, jnp.float32) - 8388608.0  # exact: q as float32
+    qf = _codes_to_f32(q)
     z = z_ref[...].astype(jnp.float32) if has_zeros else float(SYM_ZERO)
     o_ref[...] = ((qf - z) * s_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
 
