@@ -531,6 +531,13 @@ def _planes_matmul(x2, qweight, scales, zeros, perm, cfg: Int4Config, num_splits
         x2 = jnp.take(x2, perm, axis=1)
     mode = "gemv" if m == 1 else ("dot" if kernel == "planes" else "dot_t")
     block_m = 1 if mode == "gemv" else cfg.block_m
+    if mode != "gemv":
+        # x2 is materialized before its planes are cut: otherwise XLA fuses the producer (e.g. the tree
+        # attention's split combine, a 33-way reduction) into the plane transpose, whose emitter then
+        # recomputes it with strided reads (15.6 of 18 us per layer in an int4 12-node verify, H200). The
+        # barrier sits before the row padding so that the padding fuses into the transpose (one launch a
+        # linear, not two: a 12-node verify pads to 16 rows in every int4 linear).
+        x2 = lax.optimization_barrier(x2)
     m_pad = -(-m // block_m) * block_m
     if m_pad != m:
         x2 = jnp.pad(x2, ((0, m_pad - m), (0, 0)))
@@ -546,11 +553,6 @@ def _planes_matmul(x2, qweight, scales, zeros, perm, cfg: Int4Config, num_splits
         x_spec = pl.BlockSpec((8, block_m, k // 8), lambda i, j, s: (0, i, 0))
     in_specs = [x_spec, pl.BlockSpec((k // 8, block_n), lambda i, j, s: (0, j)),
                 pl.BlockSpec((groups, block_n), lambda i, j, s: (0, j))]
-    if mode != "gemv":
-        # x2 is materialized before its planes are cut: otherwise XLA fuses the producer (e.g. the tree
-        # attention's split combine, a 33-way reduction) into the plane transpose, whose emitter then
-        # recomputes it with strided reads (15.6 of 18 us per layer in an int4 12-node verify, H200).
-        x2 = lax.optimization_barrier(x2)
     args = [_planes_x(x2, mode == "dot_t", dtype), qweight, scales]
     if zeros is not None:
         xs = x2.astype(jnp.float32).reshape(m_pad, k // chunk, chunk).sum(-1)  # [m, chunks of K]
