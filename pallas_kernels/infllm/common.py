@@ -65,6 +65,17 @@ class Geometry:
 # earlier choice, whose 16-row output tiles are half padding): 0.38 / 0.71; 8 x 128 keys 0.33 / 0.60;
 # 8 warps, 2 stages, 32 keys or 32 tokens slower (an fp32 instead of bf16 group reduction: 7x slower).
 SCORES_CONFIG = KernelConfig(block_q=16, block_k=64, num_warps=4, num_stages=1)
+# Fewer than 16 query tokens (a speculative tree's verify): 4-token tiles. A 12-node verify at 128K (one layer,
+# stage 1 + the selection reading its tiles, H200, 2026-11-29): 28.3 us against 36.1 with the 16-token tile,
+# whose 256-row tile (16 tokens x 16 heads) leaves 32 programs for the coarse pass; 8 tokens 29.4, 2 31.1, 1 31.2
+# (docs/lab_notes/2026-11-29-thirty-sixth-session.md).
+FEW_TOKENS_SCORES_CONFIG = KernelConfig(block_q=4, block_k=64, num_warps=4, num_stages=1)
+FEW_TOKENS = 16  # queries below this many take FEW_TOKENS_SCORES_CONFIG
+
+
+def scores_config(tokens: int) -> KernelConfig:
+    """The stage-1 launch config for ``tokens`` query tokens per batch row."""
+    return FEW_TOKENS_SCORES_CONFIG if tokens < FEW_TOKENS else SCORES_CONFIG
 
 
 SPARSE_CONFIG = KernelConfig(block_q=MIN_ROWS, block_k=64, num_warps=4, num_stages=2)

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.flash import LOG2E, MASKED, MIN_ROWS, gather_rows, layer_view, page_table_spec, paged_refs
-from pallas_kernels.infllm.common import SCORES_CONFIG, compressed_entries, compressed_visible
+from pallas_kernels.infllm.common import compressed_entries, compressed_visible, scores_config
 from pallas_kernels.launch import KernelConfig, launch_options, next_power_of_2, num_cores
 
 
@@ -226,7 +226,7 @@ def compressed_scores_tiled(
     if min(n1, n2) < 16:
         raise ValueError(f"compressed_scores needs at least 16 compressed entries, got {n1} and {n2}")
     group = h // kvh
-    cfg = config or SCORES_CONFIG
+    cfg = config or scores_config(t)
     tokens = min(cfg.block_q, next_power_of_2(t))
     group_pad = max(next_power_of_2(group), -(-MIN_ROWS // tokens))  # rows = tokens x group_pad >= 16
     out_rows = score_tile_rows(tokens)
@@ -305,7 +305,7 @@ def compressed_scores(
     Two kernels, each with grid (batch, KV head, token tile, split of the keys): pass 1 reduces each
     row's scores against the coarse keys to partial max/sum per split (merged here into the LSE); pass 2
     scores the fine keys; key steps that every row of a tile sees whole skip the causal mask. A tile holds
-    up to ``SCORES_CONFIG.block_q`` tokens times the padded group (one token for decode). Scores come in
+    up to ``scores_config(T).block_q`` tokens times the padded group (one token for decode). Scores come in
     :func:`scores_dtype`. ``num_splits`` fixes the pass-2 split count.
     """
     t = q.shape[1]

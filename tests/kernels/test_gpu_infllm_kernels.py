@@ -112,11 +112,11 @@ def test_gpu_sparse_kernels_at_8b_dims(length, t):
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2e-2)
 
 
-@pytest.mark.parametrize("length,t", [(131072, 2048), (131072, 1), (20000, 300)])
+@pytest.mark.parametrize("length,t", [(131072, 2048), (131072, 1), (131072, 12), (20000, 300)])
 def test_gpu_pool_select_reads_stage1_tiles_in_place(length, t):
     """On the GPU, the selection kernel that pools the stage-1 tiles in place picks exactly what the XLA
     pooling + forced blocks + selection kernel pick from the same scores: the last chunk of a 128K prompt,
-    a 128K decode step and a 300-token chunk (a partial tile)."""
+    a 128K decode step, 12 tokens (a tree verify's 4-token tiles) and a 300-token chunk (a partial tile)."""
     sparse = SparseConfig()
     cache = _caches(length, sparse)
     q = jax.random.normal(jax.random.PRNGKey(3), (1, t, 32, 128), jnp.float32).astype(jnp.bfloat16)

@@ -22,7 +22,7 @@ from pallas_kernels import backend, triton
 from pallas_kernels.attention import attention_reference
 from pallas_kernels.flash import merge_attention
 from pallas_kernels.infllm import select as select_module
-from pallas_kernels.infllm.common import SCORES_CONFIG, compressed_visible
+from pallas_kernels.infllm.common import compressed_visible, scores_config
 from pallas_kernels.infllm.compress import compress_step, compress_step_reference
 from pallas_kernels.infllm.decode import pool_select_attention, pool_select_attention_reference
 from pallas_kernels.infllm.select import (
@@ -219,9 +219,9 @@ def test_pool_select_kernel_matches_reference_and_numpy(ratio, num_blocks, k, in
 
 @pytest.mark.parametrize("t", [1, 5, 20])
 def test_pool_select_reads_the_stage1_kernel_tiles_in_place(t):
-    """The selection kernel reads the stage-1 kernel's tiled output (16 tokens per tile; a short chunk's
-    8 tokens in a 16-row tile, half padding; one token per tile for decode; rows past the chunk) in place
-    and picks what it picks from the plain layout."""
+    """The selection kernel reads the stage-1 kernel's tiled output (16 tokens per tile; fewer than 16 tokens,
+    a tree's verify, in 4-token tiles in 16-row tiles, the last tile partly past the tokens; one token per tile
+    for decode; rows past the chunk) in place and picks what it picks from the plain layout."""
     sp = SMALL
     b, kvh, group, d, s = 2, 2, 4, 16, 96
     _, k1, k2 = _random_caches(5, b, kvh, s, d, sp)
@@ -232,7 +232,8 @@ def test_pool_select_reads_the_stage1_kernel_tiles_in_place(t):
     kw = dict(scale=d**-0.5, **_score_kw(sp))
     args = (q, jnp.asarray(k1), jnp.asarray(k2), jnp.asarray(positions))
     tiled, tokens = compressed_scores_tiled(*args, interpret=True, **kw)
-    assert tokens == min(SCORES_CONFIG.block_q, 1 << (t - 1).bit_length())
+    assert tokens == min(scores_config(t).block_q, 1 << (t - 1).bit_length())
+    assert tokens == {1: 1, 5: 4, 20: 16}[t]
     assert tiled.shape[2] == -(-t // tokens) * score_tile_rows(tokens)
     plain = compressed_scores(*args, interpret=True, **kw)
     sel = dict(k=sp.num_selected, kernel1=sp.kernel_size, stride1=sp.kernel_stride, ratio=sp.pool_ratio,
