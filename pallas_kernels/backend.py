@@ -24,7 +24,7 @@ CHOICES = (AUTO, *BACKENDS)
 OPS = ("attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul", "matmul",
        "paged_attention", "paged_block_sparse_attention", "paged_cache_write", "paged_compress_windows",
        "paged_select_blocks", "paged_sparse_attention", "paged_tree_attention", "residual_add", "residual_add_norm",
-       "select_blocks", "sparse_attention", "tree_attention")
+       "select_blocks", "sparse_attention", "tree_attention", "tree_merge_attention")
 
 
 class UnknownBackend(ValueError):

@@ -4,7 +4,8 @@
 Where one op is served by several kernels, the choice is made here: flash-decoding or flash attention by
 the number of query tokens (for the contiguous cache and the paged pool alike); the one-launch compressed-key update for a decode step; InfLLM-v2's decode
 path (selection and attention in one kernel) for one query token, and for prefill chunks the block-sparse
-kernel below each query's local window merged with the window kernel.
+kernel below each query's local window merged with the window kernel; a tree verify's ancestor attention and
+its merge with the selected blocks' in one kernel where the GQA group fills a tile.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from pallas_kernels.infllm.decode import pool_select_attention_tiled
 from pallas_kernels.infllm.select import pool_select_blocks_tiled
 from pallas_kernels.infllm.stage1 import compressed_scores_tiled, score_tile_rows
 from pallas_kernels.infllm.stage2 import block_sparse_attention, local_window_attention
+from pallas_kernels.infllm.tree_merge import tree_merge_attention_reference, tree_merge_supported
+from pallas_kernels.infllm.tree_merge import tree_merge_attention as tree_merge_kernel
 from pallas_kernels.int4_matmul import int4_matmul
 from pallas_kernels.launch import is_power_of_2
 from pallas_kernels.matmul import matmul
@@ -32,7 +35,7 @@ from pallas_kernels.tree_attention import paged_tree_attention, tree_attention
 __all__ = ["attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul",
            "matmul", "paged_attention", "paged_block_sparse_attention", "paged_cache_write", "paged_compress_windows",
            "paged_select_blocks", "paged_sparse_attention", "paged_tree_attention", "residual_add",
-           "residual_add_norm", "select_blocks", "sparse_attention", "tree_attention"]
+           "residual_add_norm", "select_blocks", "sparse_attention", "tree_attention", "tree_merge_attention"]
 
 # Query tokens per row up to which sparse_attention takes the decode path (selection + attention in one
 # kernel, after the two stage-1 passes: four launches in all).
@@ -80,6 +83,15 @@ def splits_local_window(geometry: Geometry, tokens: int) -> bool:
     (``topk > init_blocks``: the init blocks and the window's ``local_blocks + 1`` blocks all score +inf
     and ``topk + local_blocks`` are kept)."""
     return tokens > LOCAL_WINDOW_MIN_TOKENS and geometry.topk > geometry.init_blocks
+
+
+def tree_merge_attention(q: jax.Array, tree_k: jax.Array, tree_v: jax.Array, tree_mask: jax.Array, out_p: jax.Array,
+                         lse_p: jax.Array, *, scale: float) -> jax.Array:
+    """:func:`pallas_kernels.xla.tree_merge_attention` in one launch (:func:`~pallas_kernels.infllm.tree_merge.
+    tree_merge_attention`) for groups of >= 16 query heads per KV head (a tile's rows); XLA's fusions otherwise."""
+    if tree_merge_supported(q.shape[2], tree_k.shape[2], q.shape[3]):
+        return tree_merge_kernel(q, tree_k, tree_v, tree_mask, out_p, lse_p, scale=scale)
+    return tree_merge_attention_reference(q, tree_k, tree_v, tree_mask, out_p, lse_p, scale=scale)
 
 
 def sparse_attention(q: jax.Array, q_select: jax.Array, k: jax.Array, v: jax.Array, k1: jax.Array, k2: jax.Array,

@@ -23,6 +23,7 @@ from pallas_kernels.infllm.paged import (
 from pallas_kernels.infllm.select import pool_select_blocks_reference
 from pallas_kernels.infllm.stage1 import compressed_scores_reference
 from pallas_kernels.infllm.stage2 import block_sparse_attention_reference as block_sparse_attention
+from pallas_kernels.infllm.tree_merge import tree_merge_attention_reference as tree_merge_attention
 from pallas_kernels.int4_matmul import int4_matmul_reference as int4_matmul
 from pallas_kernels.matmul import matmul
 from pallas_kernels.paged import paged_attention_reference as paged_attention
@@ -35,7 +36,7 @@ from pallas_kernels.tree_attention import tree_attention_reference as tree_atten
 __all__ = ["attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul",
            "matmul", "paged_attention", "paged_block_sparse_attention", "paged_cache_write", "paged_compress_windows",
            "paged_select_blocks", "paged_sparse_attention", "paged_tree_attention", "residual_add",
-           "residual_add_norm", "select_blocks", "sparse_attention", "tree_attention"]
+           "residual_add_norm", "select_blocks", "sparse_attention", "tree_attention", "tree_merge_attention"]
 
 
 def compress_windows(k: jax.Array, k1: jax.Array, k2: jax.Array, old_lengths: jax.Array, new_lengths: jax.Array, *,

@@ -20,7 +20,6 @@ from minicpm_jax.config import SparseConfig
 from minicpm_jax.infllm.policy import geometry
 from minicpm_jax.model.cache import KVCache
 from minicpm_jax.model.paged_cache import PagedKVCache
-from pallas_kernels.flash import merge_attention
 from pallas_kernels.infllm.common import compressed_count
 
 
@@ -89,11 +88,4 @@ def tree_sparse_attention(
     # (3) The prefix's selected blocks, and the ancestors; merged by their log-sum-exps.
     out_p, lse_p = cache.attend_blocks(layer, q, positions, prefix, blocks, kernels, scale=scale,
                                        block_size=sparse.block_size)
-    qg = q.reshape(b, t, kvh, h // kvh, d)
-    s = jnp.einsum("btkgd,bjkd->btkgj", qg, tree_k, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(tree_mask[:, :, None, None, :], s, -jnp.inf)
-    lse_t = jax.nn.logsumexp(s, axis=-1)  # [B, T, KVH, G]; every node sees itself
-    out_t = jnp.einsum("btkgj,bjkd->btkgd", jnp.exp(s - lse_t[..., None]).astype(tree_v.dtype), tree_v,
-                       preferred_element_type=jnp.float32)
-    out = merge_attention([(out_p, lse_p), (out_t.reshape(b, t, h, d), lse_t.reshape(b, t, h))])
-    return out.astype(q.dtype)
+    return kernels.tree_merge_attention(q, tree_k, tree_v, tree_mask, out_p, lse_p, scale=scale)

@@ -18,6 +18,7 @@ from pallas_kernels import backend, triton
 from pallas_kernels.flash import merge_splits, merge_splits_rows
 from pallas_kernels.infllm.common import compressed_visible
 from pallas_kernels.infllm.compress import compress_step, compress_step_reference
+from pallas_kernels.infllm.tree_merge import tree_merge_attention, tree_merge_attention_reference
 from pallas_kernels.infllm.decode import pool_select_attention_reference
 from pallas_kernels.infllm.select import (
     force_blocks,
@@ -226,3 +227,24 @@ def test_gpu_local_window_split_at_8b_dims(start, t):
     whole = jax.jit(lambda q_, c, p_: _general_path(q_, c, p_, sparse, scale=128**-0.5, layer=1))(q, cache, pos)
     np.testing.assert_allclose(np.asarray(split, np.float32), np.asarray(whole, np.float32), atol=2e-2)
     assert float(jnp.mean(jnp.abs(split.astype(jnp.float32) - whole.astype(jnp.float32)))) < 2e-3
+
+
+def test_gpu_tree_merge_at_8b_dims():
+    """A 12-node verify's tail at MiniCPM4-8B's heads (32 query heads, 2 KV heads, head_dim 128, bf16): the
+    kernel against the jnp reference on the GPU, nodes with and without prefix keys."""
+    t, h, kvh, d = 12, 32, 2, 128
+    ks = jax.random.split(jax.random.PRNGKey(5), 5)
+    q = jax.random.normal(ks[0], (1, t, h, d), jnp.bfloat16)
+    tree_k = jax.random.normal(ks[1], (1, t, kvh, d), jnp.bfloat16)
+    tree_v = jax.random.normal(ks[2], (1, t, kvh, d), jnp.bfloat16)
+    out_p = jax.random.normal(ks[3], (1, t, h, d), jnp.bfloat16)
+    lse_p = (jax.random.normal(ks[4], (1, t, h), jnp.float32) * 3).at[0, :2].set(-jnp.inf)
+    parent = [0] + [0 if i <= 10 else 1 for i in range(1, t)]
+    mask = np.eye(t, dtype=bool)
+    for i in range(1, t):
+        mask[i] |= mask[parent[i]]
+    args = (q, tree_k, tree_v, jnp.asarray(mask[None]), out_p, lse_p)
+    got = jax.jit(lambda *a: tree_merge_attention(*a, scale=d**-0.5))(*args)
+    want = jax.jit(lambda *a: tree_merge_attention_reference(*a, scale=d**-0.5))(*args)
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)),
+                               atol=2e-2, rtol=2e-2)

@@ -24,6 +24,7 @@ from pallas_kernels.flash import merge_attention
 from pallas_kernels.infllm import select as select_module
 from pallas_kernels.infllm.common import compressed_visible, scores_config
 from pallas_kernels.infllm.compress import compress_step, compress_step_reference
+from pallas_kernels.infllm.tree_merge import tree_merge_attention, tree_merge_attention_reference
 from pallas_kernels.infllm.decode import pool_select_attention, pool_select_attention_reference
 from pallas_kernels.infllm.select import (
     pool_select_blocks,
@@ -667,3 +668,57 @@ def test_compress_step_kernel_matches_reference_and_the_general_update():
         np.testing.assert_allclose(np.asarray(general), np.asarray(r), rtol=1e-6, atol=1e-7)
     changed = [int(jnp.sum(jnp.any(r != b, axis=-1))) for r, b in zip(ref, (k1, k2))]
     assert changed == [2 * 2, 1 * 2]  # rows 0 (j=0) and 1 (j=6) in K1; row 1 (j=0) in K2; 2 KV heads each
+
+
+def _np_tree_merge(q, tree_k, tree_v, mask, out_p, lse_p, scale):
+    """NumPy (float64): softmax over the union of the other keys (summarised by out_p, lse_p) and the tree keys
+    each node sees: (e^lse_p·out_p + Σ_j e^s_j·v_j) / (e^lse_p + Σ_j e^s_j)."""
+    b, t, h, d = q.shape
+    kvh = tree_k.shape[2]
+    out = np.zeros((b, t, h, d))
+    for i in range(b):
+        for n in range(t):
+            for hh in range(h):
+                g = hh // (h // kvh)
+                s = tree_k[i, :, g].astype(np.float64) @ q[i, n, hh].astype(np.float64) * scale  # [T]
+                w = np.where(mask[i, n], np.exp(s), 0.0)
+                wp = np.exp(np.float64(lse_p[i, n, hh]))  # 0 for -inf
+                num = wp * out_p[i, n, hh].astype(np.float64) + w @ tree_v[i, :, g].astype(np.float64)
+                out[i, n, hh] = num / (wp + w.sum())
+    return out
+
+
+@pytest.mark.parametrize("t,dtype,tol", [(12, np.float32, 2e-5), (20, np.float32, 2e-5), (12, jnp.bfloat16, 3e-2)])
+def test_tree_merge_kernel_matches_numpy(t, dtype, tol):
+    """A tree verify's tail (each node's attention over its ancestors and itself, merged with the prefix's
+    block attention by log-sum-exp): the Pallas kernel and the jnp reference against NumPy's softmax over the
+    union of the keys; 12 and 20 nodes (keys padded to 16 and 32 in the kernel), rows whose prefix attention
+    saw nothing."""
+    b, kvh, group, d = 2, 2, 16, 16
+    rng = np.random.default_rng(11)
+    parent = [0] + [0 if i <= 5 else int(rng.integers(1, i)) for i in range(1, t)]
+    mask = np.eye(t, dtype=bool)
+    for i in range(1, t):
+        mask[i] |= mask[parent[i]]
+    mask = np.stack([mask, np.tril(np.ones((t, t), bool))])  # a tree and a chain
+    q = rng.standard_normal((b, t, kvh * group, d)).astype(np.float32)
+    tree_k = rng.standard_normal((b, t, kvh, d)).astype(np.float32)
+    tree_v = rng.standard_normal((b, t, kvh, d)).astype(np.float32)
+    out_p = rng.standard_normal((b, t, kvh * group, d)).astype(np.float32)
+    lse_p = (rng.standard_normal((b, t, kvh * group)) * 2).astype(np.float32)
+    lse_p[1, :4] = -np.inf  # no prefix key for these nodes: the tree part alone
+    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    args = (cast(q), cast(tree_k), cast(tree_v), jnp.asarray(mask), cast(out_p), jnp.asarray(lse_p))
+    rounded = [np.asarray(a.astype(jnp.float32)) for a in args]
+    want = _np_tree_merge(*rounded[:3], mask, rounded[4], lse_p, d**-0.5)
+    for fn in (tree_merge_attention_reference, lambda *a, **k: tree_merge_attention(*a, interpret=True, **k)):
+        got = fn(*args, scale=d**-0.5)
+        assert got.shape == q.shape and got.dtype == args[0].dtype
+        np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, atol=tol, rtol=tol)
+    # Groups the kernel cannot tile go to the reference.
+    small = (cast(q[:, :, :8]), cast(tree_k), cast(tree_v), jnp.asarray(mask), cast(out_p[:, :, :8]),
+             jnp.asarray(lse_p[:, :, :8]))
+    np.testing.assert_array_equal(np.asarray(triton.tree_merge_attention(*small, scale=0.25).astype(jnp.float32)),
+                                  np.asarray(tree_merge_attention_reference(*small, scale=0.25).astype(jnp.float32)))
+    with pytest.raises(ValueError, match="group"):
+        tree_merge_attention(*small, scale=0.25, interpret=True)

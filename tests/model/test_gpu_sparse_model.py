@@ -39,14 +39,16 @@ def test_gpu_sparse_model_matches_cpu_and_generates_the_same():
     assert out["gpu"][1] == out["cpu"][1]
 
 
-def test_tree_sparse_attention_pallas_matches_reference_at_8b_dims():
+@pytest.mark.parametrize("t", [12, 32])
+def test_tree_sparse_attention_pallas_matches_reference_at_8b_dims(t):
     """Speculative-tree verification over InfLLM-v2 (stage 1 with each node's extra coarse key, selection,
     the block-sparse kernel's LSE merged with the ancestors) compiled by Triton, against the jnp path, at
-    MiniCPM4-8B attention dims and MiniCPM4's sparse_config, fp32 so both select the same blocks."""
+    MiniCPM4-8B attention dims and MiniCPM4's sparse_config, fp32 so both select the same blocks; 12 nodes
+    (4-token stage-1 tiles, the ancestors padded to 16 in the merge kernel) and 32."""
     sp = SparseConfig(dense_len=1024)
     cfg = ModelConfig.from_dict(helpers.tiny_minicpm_config(num_attention_heads=32, num_key_value_heads=2,
                                                             head_dim=128, hidden_size=4096, rope_scaling=None))
-    length, t, prefix = 8192, 32, 6000
+    length, prefix = 8192, 6000
     rng = np.random.default_rng(0)
     depth, mask = random_tree(rng, t, 3)
     keys = jax.random.split(jax.random.PRNGKey(1), 5)
