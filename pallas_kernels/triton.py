@@ -23,8 +23,8 @@ from pallas_kernels.infllm.decode import pool_select_attention_tiled
 from pallas_kernels.infllm.select import pool_select_blocks_tiled
 from pallas_kernels.infllm.stage1 import compressed_scores_tiled, score_tile_rows
 from pallas_kernels.infllm.stage2 import block_sparse_attention, local_window_attention
-from pallas_kernels.infllm.tree_merge import tree_merge_attention_reference, tree_merge_supported
 from pallas_kernels.infllm.tree_merge import tree_merge_attention as tree_merge_kernel
+from pallas_kernels.infllm.tree_merge import tree_merge_attention_reference, tree_merge_supported
 from pallas_kernels.int4_matmul import int4_matmul
 from pallas_kernels.launch import is_power_of_2
 from pallas_kernels.matmul import matmul

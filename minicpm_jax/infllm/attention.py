@@ -56,7 +56,7 @@ def tree_sparse_attention(
     block-sparse kernel with ``kv_lengths = prefix``, returning its LSE) and, merged by log-sum-exp, the
     node's ancestors (which plain decoding finds in its forced local blocks).
     """
-    b, t, h, d = q.shape
+    b, t, _, d = q.shape
     kvh = tree_k.shape[2]
     positions = prefix[:, None] + depths
     k2_size, k2_stride = sparse.kernel_size2, sparse.kernel_stride2

@@ -18,7 +18,6 @@ from pallas_kernels import backend, triton
 from pallas_kernels.flash import merge_splits, merge_splits_rows
 from pallas_kernels.infllm.common import compressed_visible
 from pallas_kernels.infllm.compress import compress_step, compress_step_reference
-from pallas_kernels.infllm.tree_merge import tree_merge_attention, tree_merge_attention_reference
 from pallas_kernels.infllm.decode import pool_select_attention_reference
 from pallas_kernels.infllm.select import (
     force_blocks,
@@ -35,6 +34,7 @@ from pallas_kernels.infllm.stage2 import (
     local_window_attention,
     local_window_attention_reference,
 )
+from pallas_kernels.infllm.tree_merge import tree_merge_attention, tree_merge_attention_reference
 from pallas_kernels.topk import top_k
 
 pytestmark = pytest.mark.gpu

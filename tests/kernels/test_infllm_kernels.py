@@ -24,7 +24,6 @@ from pallas_kernels.flash import merge_attention
 from pallas_kernels.infllm import select as select_module
 from pallas_kernels.infllm.common import compressed_visible, scores_config
 from pallas_kernels.infllm.compress import compress_step, compress_step_reference
-from pallas_kernels.infllm.tree_merge import tree_merge_attention, tree_merge_attention_reference
 from pallas_kernels.infllm.decode import pool_select_attention, pool_select_attention_reference
 from pallas_kernels.infllm.select import (
     pool_select_blocks,
@@ -45,6 +44,7 @@ from pallas_kernels.infllm.stage2 import (
     local_window_attention,
     local_window_attention_reference,
 )
+from pallas_kernels.infllm.tree_merge import tree_merge_attention, tree_merge_attention_reference
 from pallas_kernels.launch import KernelConfig
 from pallas_kernels.topk import top_k
 from tests.helpers import SMALL, abstract_gpu_mesh
