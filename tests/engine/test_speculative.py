@@ -16,7 +16,7 @@ from minicpm_jax.config import DraftSpec, ModelConfig
 from minicpm_jax.engine.engine import Engine
 from minicpm_jax.engine.sampling import SamplingParams
 from minicpm_jax.engine.speculative.engine import SpeculativeEngine
-from minicpm_jax.engine.speculative.rounds import SpecConfig, tree_masks
+from minicpm_jax.engine.speculative.rounds import SpecConfig, SpecState, catch_up, tree_masks
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.io.frspec import read_frspec
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
@@ -170,6 +170,29 @@ def test_compacted_cache_equals_recomputed_cache(pair):
     n = len(committed)
     np.testing.assert_allclose(np.asarray(engine.cache.k[:, :, :, :n]), np.asarray(fresh.k[:, :, :, :n]), atol=2e-4)
     np.testing.assert_allclose(np.asarray(engine.cache.v[:, :, :, :n]), np.asarray(fresh.v[:, :, :, :n]), atol=2e-4)
+
+
+def test_a_row_with_no_pending_pair_expands_its_tree_from_a_zero_hidden(pair):
+    """A finished row (nothing pending) still expands a tree inside a block; its hidden is zero, not its
+    unmasked query's output, whose tree K/V would sit in the draft cache past the row's length (with a
+    bf16 8B-shape model that output was NaN, and a later read weighting it by zero turned NaN too)."""
+    model, draft = pair
+    a, h = 3, model.config.hidden_size
+    rng = np.random.default_rng(0)
+    dcache = draft.new_cache(2, MAX_LEN)
+    dcache = dcache.with_lengths(jnp.asarray([6, 6], jnp.int32))
+    tok = jnp.asarray(rng.integers(0, VOCAB, (2, a)), jnp.int32)
+    feat = jnp.asarray(rng.normal(size=(2, a, h)) * 30, jnp.float32)
+
+    def last(pend_n):
+        st = SpecState(dcache=dcache, pend_tok=tok, pend_feat=feat, pend_n=jnp.asarray(pend_n, jnp.int32),
+                       accepted=jnp.zeros((2, a + 1), jnp.int32))
+        return np.asarray(catch_up(model, draft, st, None)[0])
+
+    both, one = last([2, 2]), last([0, 2])
+    assert np.abs(both[0]).max() > 0
+    np.testing.assert_array_equal(one[0], 0.0)
+    np.testing.assert_allclose(one[1], both[1], rtol=1e-6)  # the other row is its own
 
 
 def test_commit_path_moves_path_rows():

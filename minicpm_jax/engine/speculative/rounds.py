@@ -36,7 +36,7 @@ from flax import nnx
 from jax import lax
 
 from minicpm_jax.engine.sampling import sample
-from minicpm_jax.engine.stops import DecodeState, apply_stops, while_live
+from minicpm_jax.engine.stops import DecodeState, apply_stops, live_block
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.cache import KVCache, TreeInputs
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
@@ -132,7 +132,10 @@ def catch_up(model, draft: EagleDraft, st: SpecState, window: int | None):
                       TreeInputs(prefix, mask, 0, window, committed=True))
     dcache = dataclasses.replace(dcache, lengths=prefix + st.pend_n)
     last = jnp.take_along_axis(h, jnp.maximum(st.pend_n - 1, 0)[:, None, None], axis=1)[:, 0]
-    return last, dcache
+    # A finished row has no pair pending: its hidden is the output of a masked query, which has expanded
+    # into NaN tree hiddens (bf16, random weights). The tree is discarded, but its K/V land in the draft
+    # cache past the row's length, where a later read weighting them by zero still turns NaN (0 · NaN).
+    return jnp.where((st.pend_n > 0)[:, None], last, 0).astype(last.dtype), dcache
 
 
 def expand_tree(model, draft: EagleDraft, dcache: KVCache, h_last, head, ids, spec: SpecConfig, window):
@@ -284,7 +287,9 @@ def run_round(model, draft, head, ids, cache: KVCache, ds: DecodeState, st: Spec
 
 def spec_block(graphdef, state, dstate, head, ids, cache, ds, st, *, dgraph, rounds: int, spec: SpecConfig,
                accept: AcceptRule = match_target, sampling: str = "auto", mode: str = "auto"):
-    """Up to ``rounds`` rounds on device; returns (cache, ds, st, tokens ``int32[B, rounds·A]``, -1 = none).
+    """``rounds`` rounds on device (none when every row is done at the start; a row that finishes inside
+    the block runs on masked, :func:`~minicpm_jax.engine.stops.live_block`); returns (cache, ds, st, tokens
+    ``int32[B, rounds·A]``, -1 = none).
     graphdef / dgraph: the target's and the draft's static graphs; state / dstate their arrays."""
     model, draft = nnx.merge(graphdef, state), nnx.merge(dgraph, dstate)
     a = spec.max_accept
@@ -298,7 +303,7 @@ def spec_block(graphdef, state, dstate, head, ids, cache, ds, st, *, dgraph, rou
         out = lax.dynamic_update_slice(out, emitted, (0, i * a))
         return i + 1, cache, ds, st, out
 
-    _, cache, ds, st, out = while_live(body, (jnp.int32(0), cache, ds, st, out), rounds)
+    _, cache, ds, st, out = live_block(body, (jnp.int32(0), cache, ds, st, out), rounds)
     return cache, ds, st, out
 
 
