@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from minicpm_jax.engine.sampling import sample, token_logprobs
-from minicpm_jax.engine.stops import DecodeState, apply_stops, while_live
+from minicpm_jax.engine.stops import DecodeState, apply_stops, live_block
 from minicpm_jax.model.cache import KVCache
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
 from minicpm_jax.model.parallel import REPLICATED, spmd
@@ -115,7 +115,8 @@ def first_token(ds: DecodeState, logits, active, cache_lengths, *, max_length: i
 
 def decode_steps(graphdef, state, cache: KVCache, ds: DecodeState, *, num_steps: int, mode: str = "dense",
                  sampling: str = "auto", logprobs: int = 0):
-    """Up to ``num_steps`` decode steps on device (stopping once every row is done); returns (cache, state,
+    """``num_steps`` decode steps on device (none when every row is done at the start; a row that finishes
+    inside the block runs on masked, :func:`~minicpm_jax.engine.stops.live_block`); returns (cache, state,
     tokens ``int32[B, num_steps]``, -1 = none). With ``logprobs`` (static) > 0 also each token's
     log-probability and the ``logprobs`` most likely tokens of its step, from the logits the step samples
     from: (cache, state, tokens, (f32[B, N], int32[B, N, K], f32[B, N, K]))."""
@@ -137,7 +138,7 @@ def decode_steps(graphdef, state, cache: KVCache, ds: DecodeState, *, num_steps:
         ds, _ = apply_stops(ds, new_tok[:, None], active.astype(jnp.int32), active, cache.lengths, cache.max_length)
         return i + 1, cache, ds, out, lps
 
-    _, cache, ds, out, lps = while_live(body, (jnp.int32(0), cache, ds, out, lps), num_steps)
+    _, cache, ds, out, lps = live_block(body, (jnp.int32(0), cache, ds, out, lps), num_steps)
     return (cache, ds, out, lps) if logprobs else (cache, ds, out)
 
 

@@ -1,5 +1,7 @@
 """Engine behaviour: stop conditions on device, streaming, multi-turn cache reuse, sampling filters, errors."""
 
+import dataclasses
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -7,6 +9,7 @@ import pytest
 
 from minicpm_jax.engine.engine import Engine
 from minicpm_jax.engine.sampling import SamplingParams, filter_top_k_top_p, sample
+from minicpm_jax.engine.stops import DecodeState, live_block
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.loading import load_model
 
@@ -367,7 +370,7 @@ def test_step_sets_satisfy_the_step_set_protocol(kind):
 
 
 def test_one_step_blocks_give_the_looped_tokens_and_a_finished_block_changes_nothing(engine, tiny_ckpt):
-    """decode_block 1 (the server's) runs its step without a loop (stops.while_live): same tokens as blocks
+    """decode_block 1 (the server's) runs its step without a loop (stops.live_block): same tokens as blocks
     of 4, stops and budgets included; a block over rows that are all done leaves the cache and the state
     as they were and emits nothing."""
     one = Engine(engine.model, batch_size=2, chunk_length=16, decode_block=1)
@@ -385,3 +388,29 @@ def test_one_step_blocks_give_the_looped_tokens_and_a_finished_block_changes_not
     assert (np.asarray(tokens) == -1).all() and one.cache_lengths() == lengths
     np.testing.assert_array_equal(np.asarray(one.cache.k), k)
     np.testing.assert_array_equal(np.asarray(after.n_gen), np.asarray(ds.n_gen))
+
+
+def _rows_state(done) -> DecodeState:
+    b = len(done)
+    i32 = lambda v: jnp.full((b,), v, jnp.int32)  # noqa: E731
+    return DecodeState(tok=i32(0), done=jnp.asarray(done), finish=i32(0), n_gen=i32(0), max_new=i32(99),
+                       keys=jnp.zeros((b, 2), jnp.uint32), temperature=jnp.zeros((b,)), top_k=i32(0),
+                       top_p=jnp.ones((b,)), stop_ids=jnp.full((b, 4), -1, jnp.int32))
+
+
+@pytest.mark.parametrize("iterations, done, finish_at, want_ran, want_done", [
+    (6, [True, True], 0, 0, [True, True]),        # every row done at the start: the block runs nothing
+    (6, [True, False], 2, 6, [True, True]),       # the live row finishes after 2: the block runs to its end
+    (6, [False, False], 99, 6, [False, False]),   # no row finishes
+    (1, [True, True], 0, 1, [True, True]),        # one step runs unchecked (the server's block)
+])
+def test_live_block_runs_a_whole_block_once_a_row_is_live(iterations, done, finish_at, want_ran, want_done):
+    """stops.live_block: a fixed trip count (no predicate a step for the host to read) behind one check."""
+    def body(c):
+        i, ran, ds = c
+        return i + 1, ran + 1, dataclasses.replace(ds, done=ds.done | (i + 1 >= finish_at))
+
+    run = jax.jit(lambda ds: live_block(body, (jnp.int32(0), jnp.int32(0), ds), iterations))
+    i, ran, ds = run(_rows_state(done))
+    assert int(ran) == int(i) == want_ran
+    assert np.asarray(ds.done).tolist() == want_done
