@@ -174,8 +174,9 @@ def test_compacted_cache_equals_recomputed_cache(pair):
 
 def test_a_row_with_no_pending_pair_expands_its_tree_from_a_zero_hidden(pair):
     """A finished row (nothing pending) still expands a tree inside a block; its hidden is zero, not its
-    unmasked query's output, whose tree K/V would sit in the draft cache past the row's length (with a
-    bf16 8B-shape model that output was NaN, and a later read weighting it by zero turned NaN too)."""
+    masked query's output, whose tree K/V sit in the draft cache past the row's length (with bf16 random
+    weights of benchmarks.shapes' tiny shape, int4, the tree's hiddens were NaN, and a later read weighting
+    them by zero turned NaN too)."""
     model, draft = pair
     a, h = 3, model.config.hidden_size
     rng = np.random.default_rng(0)
