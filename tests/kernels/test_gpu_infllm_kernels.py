@@ -36,6 +36,7 @@ from pallas_kernels.infllm.stage2 import (
 )
 from pallas_kernels.infllm.tree_merge import tree_merge_attention, tree_merge_attention_reference
 from pallas_kernels.topk import top_k
+from tests.helpers import random_tree
 
 pytestmark = pytest.mark.gpu
 
@@ -239,10 +240,7 @@ def test_gpu_tree_merge_at_8b_dims():
     tree_v = jax.random.normal(ks[2], (1, t, kvh, d), jnp.bfloat16)
     out_p = jax.random.normal(ks[3], (1, t, h, d), jnp.bfloat16)
     lse_p = (jax.random.normal(ks[4], (1, t, h), jnp.float32) * 3).at[0, :2].set(-jnp.inf)
-    parent = [0] + [0 if i <= 10 else 1 for i in range(1, t)]
-    mask = np.eye(t, dtype=bool)
-    for i in range(1, t):
-        mask[i] |= mask[parent[i]]
+    mask = random_tree(np.random.default_rng(0), t, 3)[1]
     args = (q, tree_k, tree_v, jnp.asarray(mask[None]), out_p, lse_p)
     got = jax.jit(lambda *a: tree_merge_attention(*a, scale=d**-0.5))(*args)
     want = jax.jit(lambda *a: tree_merge_attention_reference(*a, scale=d**-0.5))(*args)

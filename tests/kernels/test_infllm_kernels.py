@@ -47,7 +47,7 @@ from pallas_kernels.infllm.stage2 import (
 from pallas_kernels.infllm.tree_merge import tree_merge_attention, tree_merge_attention_reference
 from pallas_kernels.launch import KernelConfig
 from pallas_kernels.topk import top_k
-from tests.helpers import SMALL, abstract_gpu_mesh
+from tests.helpers import SMALL, abstract_gpu_mesh, random_tree
 from tests.oracles import np_compress
 
 MAX_LEN = 128
@@ -696,11 +696,7 @@ def test_tree_merge_kernel_matches_numpy(t, dtype, tol):
     saw nothing."""
     b, kvh, group, d = 2, 2, 16, 16
     rng = np.random.default_rng(11)
-    parent = [0] + [0 if i <= 5 else int(rng.integers(1, i)) for i in range(1, t)]
-    mask = np.eye(t, dtype=bool)
-    for i in range(1, t):
-        mask[i] |= mask[parent[i]]
-    mask = np.stack([mask, np.tril(np.ones((t, t), bool))])  # a tree and a chain
+    mask = np.stack([random_tree(rng, t, 3)[1], np.tril(np.ones((t, t), bool))])  # a tree and a chain
     q = rng.standard_normal((b, t, kvh * group, d)).astype(np.float32)
     tree_k = rng.standard_normal((b, t, kvh, d)).astype(np.float32)
     tree_v = rng.standard_normal((b, t, kvh, d)).astype(np.float32)
