@@ -13,8 +13,9 @@ Two kernels (``KERNELS``; :func:`default_kernel` picks one):
   ``x[8r + p]`` in plane p). One row (batch-1 decode): elementwise products accumulated in ``[r, block_n]``
   and reduced over rows once at the end — a GEMV with K split over many programs (split-K), partial sums
   reduced by XLA. 2..64 rows: 8 tensor-core dots of ``[rows, r] @ [r, block_n]`` per sub-block (``planes``)
-  or their transpose with the codes as the left operand (``planes_t``, faster for 17..64 rows). Nothing is
-  reshaped inside the loop.
+  or their transpose with the codes as the left operand (``planes_t``, the default). Nothing is reshaped
+  inside the loop. With 16-bit x the codes are decoded two at a time into 16-bit floats ``offset + q``
+  (:data:`PAIR_CODES`, integer instructions only), the offset removed with the zero point.
 * ``tile``: unpacks a ``[block_k, block_n]`` tile with shifts and masks into code order, then a GEMV (one
   row) or ``jnp.dot`` on the dequantized tile (rows padded to a multiple of 16). 2..64 rows with scale
   groups under 128 run it (and any row count given an explicit ``config``).
@@ -87,9 +88,12 @@ KERNELS = ("tile", "planes", "planes_t")
 # 2026-11-23, second session). One row: 10.2 / 44.3 / 25.8 µs for qkv / gate_up / down vs 11.5 / 49.9 / 27.4
 # for the best tile-kernel split; 2..16 rows (planes, scale groups of >= 128 rows): 14.2 / 62.2 / 34.2 vs
 # 20.3 / 91.4 / 51.3; 17..64 rows (planes_t): 18.0 / 79.9 / 40.6 vs 25.8 / 103.9 / 56.7.
+# With code pairs (H200, 2026-11-29, 16 rows, same process, float32 planes in `planes` -> pairs in `planes_t`,
+# best of 2): gate_up 59.0 -> 51.3, down 36.3 -> 30.0, qkv 14.6 -> 14.1, o 12.3 -> 11.8 µs, 1.14x a layer; one
+# row 95.2 -> 90.9 µs a layer (docs/lab_notes/2026-11-29-thirty-eighth-session.md).
 PLANES_CONFIGS = {
     1: ("planes", Int4Config(block_m=1, block_n=64, block_k=256, num_warps=4, num_stages=2)),
-    16: ("planes", Int4Config(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)),
+    16: ("planes_t", Int4Config(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)),
     64: ("planes_t", Int4Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)),
 }
 PLANES_MIN_GROUP = 128  # with 2+ rows a plane of one scale group must have >= 16 word rows (the tensor cores' K)
@@ -312,13 +316,44 @@ def _kernel(x_ref, w_ref, s_ref, *rest, chunk, chunks, steps, group_size, gemv, 
 PLANE_BITS = tuple((max(4 * p - 16, 0), 4 * p - max(4 * p - 16, 0)) for p in range(8))
 
 
-def _planes_x(x2: jax.Array, transpose: bool, dtype) -> jax.Array:
+def _planes_x(x2: jax.Array, transpose: bool, dtype, scaled: bool = True) -> jax.Array:
     """x ``[M, K]`` → nibble planes ``[8, M, K/8]`` (``[8, K/8, M]`` if transpose): plane p, word row r
-    holds ``x[:, 8r + p]·2^-e_p`` (exact: a power of two)."""
+    holds ``x[:, 8r + p]·2^-e_p`` (exact: a power of two; ``x[:, 8r + p]`` itself when not ``scaled``)."""
     m, k = x2.shape
-    e = jnp.asarray([e for _, e in PLANE_BITS], jnp.float32)
-    xp = x2.astype(jnp.float32).reshape(m, k // 8, 8) * jnp.exp2(-e)
+    xp = x2.reshape(m, k // 8, 8)
+    if scaled:
+        e = jnp.asarray([e for _, e in PLANE_BITS], jnp.float32)
+        xp = xp.astype(jnp.float32) * jnp.exp2(-e)
     return xp.transpose((2, 1, 0) if transpose else (2, 0, 1)).astype(dtype)
+
+
+# 16-bit code pairs (16-bit x): ``(w >> 4p) & 0x000F000F | magic·0x00010001`` holds two 16-bit floats,
+# ``offset + q_p`` (low half) and ``offset + q_{p+4}`` (high half), exactly (the code is OR-ed into the mantissa
+# of ``offset``, whose unit is 1): a shift and one AND-OR for two codes and no float instruction, where the
+# float32 planes (:func:`_plane`) take an AND-OR and a subtraction for each code and a conversion to x's dtype
+# for the tensor cores. The offset goes with the zero point: ``(z + offset)·s`` times the chunk's sum of x is
+# subtracted once per chunk. Its cancellation costs ~1e-6 relative in float32 accumulation, so float32 x (exact
+# tests) keeps the float32 planes.
+PAIR_CODES = {jnp.dtype(jnp.bfloat16): (0x4300, 128), jnp.dtype(jnp.float16): (0x6400, 1024)}
+
+
+def _pairs(dtype, gemv: bool) -> tuple[int, int] | None:
+    """(magic half-word, offset) of the code pairs for x in ``dtype``, or None (float32 x). The one-row
+    kernel multiplies in float32 and takes bfloat16 pairs, which widen to float32 by a shift."""
+    if jnp.dtype(dtype) not in PAIR_CODES:
+        return None
+    return PAIR_CODES[jnp.dtype(jnp.bfloat16) if gemv else jnp.dtype(dtype)]
+
+
+def plane_pair(words: jax.Array, p: int, magic: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """(``offset + q_p``, ``offset + q_{p+4}``) in ``dtype`` for every word of ``words`` (int32), p < 4.
+    ``dtype`` float32 takes the bfloat16 pair (``magic`` 0x4300) widened: the low half shifted up 16 bits,
+    the high half masked."""
+    t = ((words >> 4 * p) if p else words) & 0x000F000F | (magic * 0x10001)
+    if dtype == jnp.float32:
+        return lax.bitcast_convert_type(t << 16, dtype), lax.bitcast_convert_type(t & -65536, dtype)
+    return (lax.bitcast_convert_type(t.astype(jnp.int16), dtype),
+            lax.bitcast_convert_type((t >> 16).astype(jnp.int16), dtype))
 
 
 def _plane(words: jax.Array, p: int, zero: int) -> jax.Array:
@@ -330,36 +365,61 @@ def _plane(words: jax.Array, p: int, zero: int) -> jax.Array:
     return lax.bitcast_convert_type(masked | 0x4B000000, jnp.float32) - float(2**23 + zero * 2**e)
 
 
-def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, mode, has_zeros):
+def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, mode, has_zeros, pairs=None):
     """kpacked kernel over nibble planes: a chunk of ``8·rows`` input rows (one scale group) is 8 planes
     of ``[rows, BN]`` codes, each multiplied by its plane of x; nothing is reshaped or reduced across
     threads inside the loop.
 
     mode "gemv" (one row): accumulates ``Σ_p q_p·x_p`` elementwise in ``[rows, BN]`` and reduces over rows
     once at the end. "dot": ``Σ_p x_p [BM, rows] @ q_p [rows, BN]`` on the tensor cores. "dot_t": the
-    transposed product ``q_pᵀ [BN, rows] @ x_p [rows, BM]`` (the codes as the left operand)."""
+    transposed product ``q_pᵀ [BN, rows] @ x_p [rows, BM]`` (the codes as the left operand).
+
+    pairs (16-bit x): ``(magic, offset)`` of :data:`PAIR_CODES`: the codes enter the products as ``offset + q``
+    (:func:`plane_pair`), and ``(z + offset)·s`` times the chunk sums of x (``xs_ref``) is subtracted."""
     if has_zeros:
         z_ref, xs_ref, o_ref = rest
+    elif pairs:
+        z_ref = None
+        xs_ref, o_ref = rest
     else:
         z_ref = xs_ref = None
         o_ref = rest[0]
     split = pl.program_id(2)
     chunk = 8 * rows
     block_k = chunk * chunks
-    zero = 0 if has_zeros else SYM_ZERO
+    zero = 0 if has_zeros or pairs else SYM_ZERO
     block_n = w_ref.shape[1]
+
+    def dot(a, b):
+        precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+        return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
+
+    def x_plane(r0, p):
+        return x_ref[p, :, pl.ds(r0, rows)] if mode == "dot" else x_ref[p, pl.ds(r0, rows), :]
+
+    def chunk_product(w, r0):
+        """``Σ_p`` plane products of one chunk: ``[BM, BN]`` (``[BN, BM]`` for dot_t, ``[rows, BN]`` gemv)."""
+        if not pairs:
+            t = plane_product(w, r0, 0)
+            for p in range(1, 8):
+                t = t + plane_product(w, r0, p)
+            return t
+        t = None
+        for p in range(4):
+            for plane, q in zip((p, p + 4), plane_pair(w, p, pairs[0], x_ref.dtype)):
+                if mode == "gemv":
+                    d = q * x_ref[plane, 0, pl.ds(r0, rows)][:, None]
+                else:
+                    d = dot(x_plane(r0, plane), q) if mode == "dot" else dot(q.T, x_plane(r0, plane))
+                t = d if t is None else t + d
+        return t
 
     def plane_product(w, r0, p):
         q = _plane(w, p, zero)
         if mode == "gemv":
             return q * x_ref[p, 0, pl.ds(r0, rows)][:, None]
-        if mode == "dot":
-            xp = x_ref[p, :, pl.ds(r0, rows)]
-            precision = lax.Precision.HIGHEST if xp.dtype == jnp.float32 else None
-            return jnp.dot(xp, q.astype(xp.dtype), preferred_element_type=jnp.float32, precision=precision)
-        xp = x_ref[p, pl.ds(r0, rows), :]
-        precision = lax.Precision.HIGHEST if xp.dtype == jnp.float32 else None
-        return jnp.dot(q.astype(xp.dtype).T, xp, preferred_element_type=jnp.float32, precision=precision)
+        xp = x_plane(r0, p)
+        return dot(xp, q.astype(xp.dtype)) if mode == "dot" else dot(q.astype(xp.dtype).T, xp)
 
     def step(i, carry):
         acc, zacc = carry
@@ -367,16 +427,15 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
         r0s = [pl.multiple_of((k0 + j * chunk) // 8, rows) for j in range(chunks)]
         words = [w_ref[pl.ds(r0, rows), :] for r0 in r0s]  # all loads of the step issued first
         for j, (r0, w) in enumerate(zip(r0s, words)):
-            t = plane_product(w, r0, 0)
-            for p in range(1, 8):
-                t = t + plane_product(w, r0, p)
+            t = chunk_product(w, r0)
             g = (k0 + j * chunk) // group_size
             s = s_ref[pl.ds(g, 1), :].astype(jnp.float32)  # [1, BN]
             if mode == "dot_t":
                 s = s.reshape(block_n, 1)
             acc = acc + t * s
-            if has_zeros:
-                zs = z_ref[pl.ds(g, 1), :].astype(jnp.float32) * s_ref[pl.ds(g, 1), :].astype(jnp.float32)
+            if has_zeros or pairs:
+                z = z_ref[pl.ds(g, 1), :].astype(jnp.float32) if has_zeros else float(SYM_ZERO)
+                zs = (z + (pairs[1] if pairs else 0)) * s_ref[pl.ds(g, 1), :].astype(jnp.float32)
                 c = (k0 + j * chunk) // chunk  # x sums are per chunk (a group may span several)
                 if mode == "gemv":
                     zacc = zacc + zs * xs_ref[0, pl.ds(c, 1)][:, None]
@@ -546,6 +605,7 @@ def _planes_matmul(x2, qweight, scales, zeros, perm, cfg: Int4Config, num_splits
         raise ValueError(f"the {kernel} kernel needs sub-blocks of >= 128 input rows (scale groups of >= 128 and "
                          f"block_k >= 128) for {m} rows; got {chunk} (group_size {group_size})")
     dtype = jnp.float32 if mode == "gemv" else x2.dtype
+    pairs = _pairs(x2.dtype, mode == "gemv")
     block_n, groups = cfg.block_n, k // group_size
     if mode == "dot_t":
         x_spec = pl.BlockSpec((8, k // 8, block_m), lambda i, j, s: (0, 0, i))
@@ -553,19 +613,21 @@ def _planes_matmul(x2, qweight, scales, zeros, perm, cfg: Int4Config, num_splits
         x_spec = pl.BlockSpec((8, block_m, k // 8), lambda i, j, s: (0, i, 0))
     in_specs = [x_spec, pl.BlockSpec((k // 8, block_n), lambda i, j, s: (0, j)),
                 pl.BlockSpec((groups, block_n), lambda i, j, s: (0, j))]
-    args = [_planes_x(x2, mode == "dot_t", dtype), qweight, scales]
-    if zeros is not None:
+    args = [_planes_x(x2, mode == "dot_t", dtype, scaled=pairs is None), qweight, scales]
+    if zeros is not None or pairs:
         xs = x2.astype(jnp.float32).reshape(m_pad, k // chunk, chunk).sum(-1)  # [m, chunks of K]
-        in_specs.append(pl.BlockSpec((groups, block_n), lambda i, j, s: (0, j)))
+        if zeros is not None:
+            in_specs.append(pl.BlockSpec((groups, block_n), lambda i, j, s: (0, j)))
+            args.append(zeros)
         if mode == "dot_t":
             xs = xs.T
             in_specs.append(pl.BlockSpec((k // chunk, block_m), lambda i, j, s: (0, i)))
         else:
             in_specs.append(pl.BlockSpec((block_m, k // chunk), lambda i, j, s: (i, 0)))
-        args += [zeros, xs]
+        args.append(xs)
     body = functools.partial(
         _plane_kernel, rows=rows, chunks=cfg.block_k // chunk, steps=k // cfg.block_k // num_splits,
-        group_size=group_size, mode=mode, has_zeros=zeros is not None)
+        group_size=group_size, mode=mode, has_zeros=zeros is not None, pairs=pairs)
     partial = pl.pallas_call(
         body,
         grid=(m_pad // block_m, n // block_n, num_splits),

@@ -208,11 +208,55 @@ def test_int4_plane_kernels_match_numpy(k, n, gs, sym, act_order, m, kernel, con
     assert_close(y, _oracle_y(x, w), 1e-5)
 
 
+def test_plane_pairs_hold_every_code_exactly():
+    """Nibbles p and p + 4 of a word become ``offset + code`` in the two halves' 16-bit floats (bf16, fp16, and
+    the bf16 pair widened to float32), every code in every position, words with the sign bit set among them:
+    against NumPy's reading of the nibbles."""
+    nibbles = (np.arange(16)[:, None] + np.arange(8)[None, :]) % 16  # word i, nibble j: code (i + j) mod 16
+    words = (nibbles.astype(np.uint32) << (4 * np.arange(8, dtype=np.uint32))).sum(1, dtype=np.uint32)
+    words = jnp.asarray(words.view(np.int32).reshape(4, 4))
+    assert int(jnp.sum(words < 0)) == 8
+    for dtype, (magic, offset) in [(jnp.bfloat16, kern.PAIR_CODES[jnp.dtype(jnp.bfloat16)]),
+                                   (jnp.float16, kern.PAIR_CODES[jnp.dtype(jnp.float16)]),
+                                   (jnp.float32, kern.PAIR_CODES[jnp.dtype(jnp.bfloat16)])]:
+        for p in range(4):
+            lo, hi = kern.plane_pair(words, p, magic, dtype)
+            assert lo.dtype == hi.dtype == dtype
+            np.testing.assert_array_equal(np.asarray(lo, np.float64).reshape(16), offset + nibbles[:, p])
+            np.testing.assert_array_equal(np.asarray(hi, np.float64).reshape(16), offset + nibbles[:, p + 4])
+
+
+# (k, n, group_size, sym, act_order, m, kernel, x dtype)
+_PAIR_CASES = [
+    pytest.param(512, 128, 128, True, False, 12, "planes_t", jnp.bfloat16, id="dot_t-bf16-m12"),
+    pytest.param(512, 256, 128, False, True, 5, "planes", jnp.float16, id="dot-f16-asym-actorder"),
+    pytest.param(256, 128, 64, False, False, 1, "planes", jnp.float16, id="gemv-f16-asym"),
+]
+
+
+@pytest.mark.parametrize("k,n,gs,sym,act_order,m,kernel,dtype", _PAIR_CASES)
+def test_int4_plane_kernels_with_16_bit_x_take_code_pairs(k, n, gs, sym, act_order, m, kernel, dtype):
+    """16-bit x runs the plane kernels on code pairs (``offset + q``, the offset removed through the chunk sums
+    of x): the float32 reference on the same 16-bit inputs, to float32 accumulation (the bf16 test above allows
+    a bf16 result's rounding, which would hide a code off by one)."""
+    rng = np.random.default_rng(k + m + gs)
+    w = random_weight(rng, k, n, gs, sym=sym, act_order=act_order)
+    arrays = {name: jnp.asarray(a, dtype) if name in ("scales", "zeros") else jnp.asarray(a)
+              for name, a in int4.to_engine(w).items()}
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    y = kern.int4_matmul(x, **arrays, group_size=gs, kernel=kernel, out_dtype=jnp.float32)
+    exact = kern.int4_matmul_reference(x.astype(jnp.float32), **{
+        name: a.astype(jnp.float32) if name in ("scales", "zeros") else a for name, a in arrays.items()},
+        group_size=gs)
+    assert y.dtype == jnp.float32 and y.shape == (m, n)
+    assert_close(y, exact, 2e-5)
+
+
 def test_int4_default_kernel_choice():
     """One row, and 2..64 rows with scale groups of >= 128, take the plane kernels; the rest the tile
     kernel."""
     assert kern.default_kernel(1, 128) == kern.default_kernel(1, 32) == "planes"
-    assert kern.default_kernel(2, 128) == kern.default_kernel(16, 4096) == "planes"
+    assert kern.default_kernel(2, 128) == kern.default_kernel(16, 4096) == "planes_t"
     assert kern.default_kernel(17, 128) == kern.default_kernel(64, 128) == "planes_t"
     assert kern.default_kernel(65, 128) == "tile"
     assert kern.default_kernel(16, 64) == "tile"
