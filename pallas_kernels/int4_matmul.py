@@ -376,18 +376,13 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
 
     pairs (16-bit x): ``(magic, offset)`` of :data:`PAIR_CODES`: the codes enter the products as ``offset + q``
     (:func:`plane_pair`), and ``(z + offset)·s`` times the chunk sums of x (``xs_ref``) is subtracted."""
-    if has_zeros:
-        z_ref, xs_ref, o_ref = rest
-    elif pairs:
-        z_ref = None
-        xs_ref, o_ref = rest
-    else:
-        z_ref = xs_ref = None
-        o_ref = rest[0]
+    z_ref = rest[0] if has_zeros else None
+    xs_ref = rest[-2] if has_zeros or pairs else None  # x's chunk sums
+    o_ref = rest[-1]
     split = pl.program_id(2)
     chunk = 8 * rows
     block_k = chunk * chunks
-    zero = 0 if has_zeros or pairs else SYM_ZERO
+    zero = 0 if has_zeros else SYM_ZERO
     block_n = w_ref.shape[1]
 
     def dot(a, b):
