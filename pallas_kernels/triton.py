@@ -17,7 +17,8 @@ from pallas_kernels.attention import MAX_DECODE_QUERIES, attention, paged_decode
 from pallas_kernels.cache_write import cache_write, paged_cache_write
 from pallas_kernels.flash import merge_attention
 from pallas_kernels.infllm.common import Geometry
-from pallas_kernels.infllm.compress import compress_step, compress_windows_reference, paged_compress_step
+from pallas_kernels.infllm.compress import (NEW_WINDOWS_MAX, compress_new_windows, compress_windows_reference,
+                                            paged_compress_new_windows)
 from pallas_kernels.infllm.paged import check_paged_geometry, paged_compress_windows_reference
 from pallas_kernels.infllm.decode import pool_select_attention_tiled
 from pallas_kernels.infllm.select import pool_select_blocks_tiled
@@ -55,12 +56,24 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
                   layer=layer)
 
 
+def _new_windows_fit(geometry: Geometry, max_tokens: int, unrotate) -> bool:
+    """Whether :func:`compress_new_windows` (or its paged twin) takes an update of ``max_tokens`` new keys:
+    keys without ``use_nope``, power-of-2 windows and strides, and at most ``NEW_WINDOWS_MAX`` windows per
+    row and window size (decode steps and speculative paths; prompt chunks take the reference)."""
+    sizes = (geometry.kernel1, geometry.stride1, geometry.kernel2, geometry.stride2)
+    return (unrotate is None and all(map(is_power_of_2, sizes))
+            and -(-max_tokens // min(geometry.stride1, geometry.stride2)) <= NEW_WINDOWS_MAX)
+
+
 def compress_windows(k: jax.Array, k1: jax.Array, k2: jax.Array, old_lengths: jax.Array, new_lengths: jax.Array, *,
-                     geometry: Geometry, layer: int, max_tokens: int, unrotate=None) -> tuple[jax.Array, jax.Array]:
-    """:func:`pallas_kernels.xla.compress_windows`; a one-token step (decode) of pre-RoPE-free keys with
-    power-of-2 windows runs as one kernel writing in place (:func:`compress_step`)."""
-    if max_tokens == 1 and unrotate is None and is_power_of_2(geometry.kernel1) and is_power_of_2(geometry.kernel2):
-        return compress_step(k, k1, k2, old_lengths, new_lengths, layer=layer, **geometry.stage1())
+                     geometry: Geometry, layer: int | None, max_tokens: int,
+                     unrotate=None) -> tuple[jax.Array, jax.Array]:
+    """:func:`pallas_kernels.xla.compress_windows`; a few new keys (a decode step, a speculative round's
+    accepted path) run as one kernel writing in place, over one layer or all of them
+    (:func:`compress_new_windows`)."""
+    if _new_windows_fit(geometry, max_tokens, unrotate):
+        return compress_new_windows(k, k1, k2, old_lengths, new_lengths, layer=layer, max_tokens=max_tokens,
+                                    **geometry.stage1())
     return compress_windows_reference(k, k1, k2, old_lengths, new_lengths, layer=layer, max_tokens=max_tokens,
                                       unrotate=unrotate, **geometry.stage1())
 
@@ -132,13 +145,13 @@ def sparse_attention(q: jax.Array, q_select: jax.Array, k: jax.Array, v: jax.Arr
 # page of their window's last key), chosen as for the contiguous cache.
 
 def paged_compress_windows(k_pages: jax.Array, k1_pages: jax.Array, k2_pages: jax.Array, page_table: jax.Array,
-                           old_lengths: jax.Array, new_lengths: jax.Array, *, geometry: Geometry, layer: int,
+                           old_lengths: jax.Array, new_lengths: jax.Array, *, geometry: Geometry, layer: int | None,
                            max_tokens: int, page_size: int, unrotate=None) -> tuple[jax.Array, jax.Array]:
-    """:func:`pallas_kernels.xla.paged_compress_windows`; a one-token step of keys without ``use_nope`` and
-    power-of-2 windows runs as one kernel writing in place (:func:`paged_compress_step`)."""
-    if max_tokens == 1 and unrotate is None and is_power_of_2(geometry.kernel1) and is_power_of_2(geometry.kernel2):
-        return paged_compress_step(k_pages, k1_pages, k2_pages, page_table, old_lengths, new_lengths, layer=layer,
-                                   page_size=page_size, **geometry.stage1())
+    """:func:`pallas_kernels.xla.paged_compress_windows`; a few new keys run as one kernel writing in place,
+    as for the contiguous cache (:func:`paged_compress_new_windows`)."""
+    if _new_windows_fit(geometry, max_tokens, unrotate):
+        return paged_compress_new_windows(k_pages, k1_pages, k2_pages, page_table, old_lengths, new_lengths,
+                                          layer=layer, page_size=page_size, max_tokens=max_tokens, **geometry.stage1())
     return paged_compress_windows_reference(k_pages, k1_pages, k2_pages, page_table, old_lengths, new_lengths,
                                             layer=layer, page_size=page_size, max_tokens=max_tokens, unrotate=unrotate,
                                             **geometry.stage1())

@@ -40,9 +40,11 @@ __all__ = ["attention", "block_sparse_attention", "cache_write", "compress_windo
 
 
 def compress_windows(k: jax.Array, k1: jax.Array, k2: jax.Array, old_lengths: jax.Array, new_lengths: jax.Array, *,
-                     geometry: Geometry, layer: int, max_tokens: int, unrotate=None) -> tuple[jax.Array, jax.Array]:
-    """InfLLM-v2's compressed keys (k1, k2) extended over the windows completed between ``old_lengths`` and
-    ``new_lengths`` (:func:`~pallas_kernels.infllm.compress.compress_windows_reference`)."""
+                     geometry: Geometry, layer: int | None, max_tokens: int,
+                     unrotate=None) -> tuple[jax.Array, jax.Array]:
+    """InfLLM-v2's compressed keys (k1, k2) of ``layer`` (None: every layer) extended over the windows
+    completed between ``old_lengths`` and ``new_lengths``
+    (:func:`~pallas_kernels.infllm.compress.compress_windows_reference`)."""
     return compress_windows_reference(k, k1, k2, old_lengths, new_lengths, layer=layer, max_tokens=max_tokens,
                                       unrotate=unrotate, **geometry.stage1())
 
@@ -78,7 +80,7 @@ def sparse_attention(q: jax.Array, q_select: jax.Array, k: jax.Array, v: jax.Arr
 # page_table int32[B, P].
 
 def paged_compress_windows(k_pages: jax.Array, k1_pages: jax.Array, k2_pages: jax.Array, page_table: jax.Array,
-                           old_lengths: jax.Array, new_lengths: jax.Array, *, geometry: Geometry, layer: int,
+                           old_lengths: jax.Array, new_lengths: jax.Array, *, geometry: Geometry, layer: int | None,
                            max_tokens: int, page_size: int, unrotate=None) -> tuple[jax.Array, jax.Array]:
     """:func:`compress_windows` over the pool: the new entries written into the pages their windows end in."""
     return paged_compress_windows_reference(k_pages, k1_pages, k2_pages, page_table, old_lengths, new_lengths,

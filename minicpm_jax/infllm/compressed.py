@@ -19,11 +19,12 @@ from minicpm_jax.model.paged_cache import PagedKVCache
 
 
 def extend_compressed(
-    cache: KVCache | PagedKVCache, layer: int, old_lengths: jax.Array, new_lengths: jax.Array, sparse: SparseConfig, *,
-    max_tokens: int, kernels: ModuleType, unrotate=None,
+    cache: KVCache | PagedKVCache, layer: int | None, old_lengths: jax.Array, new_lengths: jax.Array,
+    sparse: SparseConfig, *, max_tokens: int, kernels: ModuleType, unrotate=None,
 ) -> KVCache | PagedKVCache:
-    """Appends to ``layer``'s K1/K2 the windows completed by growing each sequence from ``old_lengths`` to
-    ``new_lengths`` (``int32[B]``, at most ``max_tokens`` apart), averaging keys already in ``cache.k``.
+    """Appends to ``layer``'s K1/K2 (None: every layer's, in one update) the windows completed by growing
+    each sequence from ``old_lengths`` to ``new_lengths`` (``int32[B]``, at most ``max_tokens`` apart),
+    averaging keys already in ``cache.k``.
 
     unrotate: None, or ``f(keys [B, N, KVH, D], positions int32[B, N]) -> keys`` undoing RoPE
     (``use_nope``). Means are taken in fp32 and stored in the cache dtype. kernels: the backend namespace

@@ -81,10 +81,12 @@ class Attention(nnx.Module):
         return rope_inverse(inv_freq, rope_scale) if self.sparse.use_nope else None
 
     def extend_compressed(self, cache: KVCache, old_lengths: jax.Array, new_lengths: jax.Array,
-                          max_tokens: int) -> KVCache:
-        """This layer's K1/K2 extended over keys already in the cache (``old_lengths`` → ``new_lengths``,
-        ``int32[B]``, at most ``max_tokens`` apart): what a forward over those tokens would have added."""
-        return extend_compressed(cache, self.layer, old_lengths, new_lengths, self.sparse, max_tokens=max_tokens,
+                          max_tokens: int, *, all_layers: bool = False) -> KVCache:
+        """This layer's K1/K2 (``all_layers``: every layer's, which share this layer's geometry, RoPE and
+        kernels) extended over keys already in the cache (``old_lengths`` → ``new_lengths``, ``int32[B]``, at
+        most ``max_tokens`` apart): what a forward over those tokens would have added."""
+        layer = None if all_layers else self.layer
+        return extend_compressed(cache, layer, old_lengths, new_lengths, self.sparse, max_tokens=max_tokens,
                                  kernels=self.kernels, unrotate=self._unrotate(*self._rope()))
 
     def __call__(

@@ -152,10 +152,10 @@ class KVCache:
         """``layer``'s keys at ``positions int32[B, N]`` of each row: ``[B, N, kv_heads, head_dim]``."""
         return self.k[layer, jnp.arange(self.batch_size)[:, None], :, positions]
 
-    def extend_compressed(self, layer: int, old_lengths: jax.Array, new_lengths: jax.Array, geometry: Geometry, *,
-                          max_tokens: int, ops: ModuleType, unrotate=None) -> "KVCache":
-        """``layer``'s K1/K2 extended over the windows completed from ``old_lengths`` to ``new_lengths``
-        (``int32[B]``, at most ``max_tokens`` apart), averaging keys already in the cache
+    def extend_compressed(self, layer: int | None, old_lengths: jax.Array, new_lengths: jax.Array,
+                          geometry: Geometry, *, max_tokens: int, ops: ModuleType, unrotate=None) -> "KVCache":
+        """``layer``'s (None: every layer's) K1/K2 extended over the windows completed from ``old_lengths``
+        to ``new_lengths`` (``int32[B]``, at most ``max_tokens`` apart), averaging keys already in the cache
         (``ops.compress_windows``)."""
         k1, k2 = ops.compress_windows(self.k, self.k1, self.k2, old_lengths, new_lengths, geometry=geometry,
                                       layer=layer, max_tokens=max_tokens, unrotate=unrotate)

@@ -185,9 +185,9 @@ class PagedKVCache:
         """``layer``'s keys at ``positions int32[B, N]`` of each row: ``[B, N, kv_heads, head_dim]``."""
         return jnp.moveaxis(self.k[layer][:, self.slots_of(positions)], 0, 2)
 
-    def extend_compressed(self, layer: int, old_lengths: jax.Array, new_lengths: jax.Array, geometry: Geometry, *,
-                          max_tokens: int, ops: ModuleType, unrotate=None) -> "PagedKVCache":
-        """``layer``'s compressed keys extended over the windows completed from ``old_lengths`` to
+    def extend_compressed(self, layer: int | None, old_lengths: jax.Array, new_lengths: jax.Array,
+                          geometry: Geometry, *, max_tokens: int, ops: ModuleType, unrotate=None) -> "PagedKVCache":
+        """``layer``'s (None: every layer's) compressed keys extended over the windows completed from ``old_lengths`` to
         ``new_lengths`` (``int32[B]``, at most ``max_tokens`` apart), written into the pages they end in."""
         k1, k2 = ops.paged_compress_windows(self.k, self.k1, self.k2, self.page_table, old_lengths, new_lengths,
                                             geometry=geometry, layer=layer, max_tokens=max_tokens,

@@ -1,6 +1,7 @@
 """InfLLM-v2's compressed keys: ``K1[j] = mean(K[s*j : s*j + k])`` over complete windows (and ``K2`` the
 same with the coarse window), appended as a sequence grows; a jnp reference for any number of new
-tokens, and a Pallas kernel for one decode step (beside its own reference), for the contiguous cache and
+tokens (and a plain one for one decode step), and a Pallas kernel for a few new tokens (a decode step, a
+speculative round's accepted path; one layer or all of them in one launch), for the contiguous cache and
 for a paged pool (:mod:`pallas_kernels.infllm.paged`).
 
 k ``[L, B, KVH, S, D]``; k1 / k2 ``[L, B, KVH, N1 | N2, D]`` (stacked caches, ``layer`` names the slice).
@@ -42,14 +43,21 @@ def completed_window_means(keys_at, old_lengths: jax.Array, new_lengths: jax.Arr
 
 
 def compress_windows_reference(
-    k: jax.Array, k1: jax.Array, k2: jax.Array, old_lengths: jax.Array, new_lengths: jax.Array, *, layer: int,
+    k: jax.Array, k1: jax.Array, k2: jax.Array, old_lengths: jax.Array, new_lengths: jax.Array, *, layer: int | None,
     kernel1: int, stride1: int, kernel2: int, stride2: int, max_tokens: int, unrotate=None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Appends to ``layer``'s k1 / k2 the windows completed by growing each row from ``old_lengths`` to
-    ``new_lengths`` (``int32[B]``, at most ``max_tokens`` apart), averaging keys already in ``k``.
+    """Appends to ``layer``'s k1 / k2 (None: every layer's) the windows completed by growing each row from
+    ``old_lengths`` to ``new_lengths`` (``int32[B]``, at most ``max_tokens`` apart), averaging keys already
+    in ``k``.
 
     unrotate: None, or ``f(keys [B, N, KVH, D], positions int32[B, N]) -> keys`` undoing RoPE (InfLLM-v2's
     ``use_nope`` compresses pre-RoPE keys). Returns the updated (k1, k2)."""
+    if layer is None:
+        for each in range(k.shape[0]):
+            k1, k2 = compress_windows_reference(k, k1, k2, old_lengths, new_lengths, layer=each, kernel1=kernel1,
+                                                stride1=stride1, kernel2=kernel2, stride2=stride2,
+                                                max_tokens=max_tokens, unrotate=unrotate)
+        return k1, k2
     rows = jnp.arange(k.shape[1])[:, None]
     out = []
     for comp, kernel, stride in ((k1, kernel1, stride1), (k2, kernel2, stride2)):
@@ -84,46 +92,66 @@ def compress_step_reference(
     return out[0], out[1]
 
 
-def _compress_kernel(old_ref, new_ref, k_ref, k1_in, k2_in, k1_ref, k2_ref, *, kernel1, stride1, kernel2,
-                     stride2):
+# The most windows of one size a program of :func:`compress_new_windows` computes for a row (a static loop):
+# a speculative round's path is a few tokens, a window stride 16 (MiniCPM4's fine windows).
+NEW_WINDOWS_MAX = 4
+
+
+def _window_count(length, kernel: int, stride: int):
+    """:func:`~pallas_kernels.infllm.common.compressed_count` in a kernel: a shift for the power-of-2 stride
+    (Pallas-Triton rejects signed division and remainders)."""
+    full = lax.shift_right_logical(jnp.maximum(length - kernel, 0), stride.bit_length() - 1) + 1
+    return jnp.where(length >= kernel, full, 0)
+
+
+def _each_new_window(old, new, kernel: int, stride: int, max_tokens: int, write) -> None:
+    """Calls ``write(j)`` for each window ``j`` completed by growing a row from ``old`` to ``new`` keys (at
+    most ``max_tokens`` apart, so at most ``ceil(max_tokens / stride)`` windows: a static loop of guarded
+    bodies)."""
+    first, last = _window_count(old, kernel, stride), _window_count(new, kernel, stride)
+    for i in range(-(-max_tokens // stride)):
+        pl.when(first + i < last)(functools.partial(write, first + i))
+
+
+def _layer_grid(layer: int | None, num_layers: int) -> tuple[int, int]:
+    """(grid size, first layer) of an update of ``layer`` (None: every layer, one program row each)."""
+    return (num_layers, 0) if layer is None else (1, layer)
+
+
+def _compress_kernel(old_ref, new_ref, k_ref, k1_in, k2_in, k1_ref, k2_ref, *, levels, max_tokens):
     del k1_in, k2_in  # aliased to the outputs: entries not written keep their values
-    row = pl.program_id(0)
+    row = pl.program_id(1)
     old, new = old_ref[row], new_ref[row]
-    for ref, kernel, stride in ((k1_ref, kernel1, stride1), (k2_ref, kernel2, stride2)):
-        start = new - kernel
+    for ref, (kernel, stride) in zip((k1_ref, k2_ref), levels):
+        def write(j, ref=ref, kernel=kernel, stride=stride):
+            keys = k_ref[pl.ds(j * stride, kernel), :].astype(jnp.float32)
+            ref[pl.ds(j, 1), :] = (jnp.sum(keys, axis=0) * (1.0 / kernel))[None, :].astype(ref.dtype)
 
-        @pl.when((new > old) & (start >= 0) & (start % stride == 0))
-        def _(ref=ref, kernel=kernel, stride=stride, start=start):
-            keys = k_ref[pl.ds(start, kernel), :].astype(jnp.float32)
-            mean = jnp.sum(keys, axis=0) * (1.0 / kernel)
-            ref[pl.ds(start // stride, 1), :] = mean[None, :].astype(ref.dtype)
+        _each_new_window(old, new, kernel, stride, max_tokens, write)
 
 
-def compress_step(
-    k: jax.Array, k1: jax.Array, k2: jax.Array, old_lengths: jax.Array, new_lengths: jax.Array, *, layer: int,
-    kernel1: int, stride1: int, kernel2: int, stride2: int, interpret: bool | None = None,
+def compress_new_windows(
+    k: jax.Array, k1: jax.Array, k2: jax.Array, old_lengths: jax.Array, new_lengths: jax.Array, *, layer: int | None,
+    kernel1: int, stride1: int, kernel2: int, stride2: int, max_tokens: int, interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """The compressed-key update of one decode step (Pallas): one program per (row, KV head) reads the
-    last window of keys and writes the new K1/K2 entries in place (k1/k2 are aliased to the outputs), so a
-    decode step costs one launch instead of gathers, means and scatters. Signature of
-    :func:`compress_step_reference`; window sizes must be powers of 2."""
-    b, kvh, s, d = k.shape[1], k.shape[2], k.shape[3], k.shape[4]
+    """The compressed keys of the windows completed from ``old_lengths`` to ``new_lengths`` (Pallas; a decode
+    step, or a speculative round's accepted path): one program per (layer, row, KV head) reads each new
+    window's keys and writes its entry in place (k1/k2 are aliased to the outputs), one launch instead of
+    gathers, means and scatters per layer and window size. ``layer`` None updates every layer of the stacked
+    cache in that one launch. Signature of :func:`compress_windows_reference` (without ``unrotate``);
+    strides must be powers of 2, and each row completes at most ``ceil(max_tokens / stride)`` windows (a
+    static loop per program: meant for a few tokens, not for prompt chunks)."""
+    num_layers, b, kvh, s, d = k.shape
     n1, n2 = k1.shape[3], k2.shape[3]
-    lengths = pl.BlockSpec((b,), lambda i, j: (0,))
-    kernel = functools.partial(_compress_kernel, kernel1=kernel1, stride1=stride1, kernel2=kernel2, stride2=stride2)
+    grid_l, base = _layer_grid(layer, num_layers)
+    lengths = pl.BlockSpec((b,), lambda l_, i, j: (0,))
+    per_head = lambda n: pl.BlockSpec((None, None, None, n, d), lambda l_, i, j: (base + l_, i, j, 0, 0))  # noqa: E731
+    kernel = functools.partial(_compress_kernel, levels=((kernel1, stride1), (kernel2, stride2)), max_tokens=max_tokens)
     return pl.pallas_call(
         kernel,
-        grid=(b, kvh),
-        in_specs=[
-            lengths, lengths,
-            pl.BlockSpec((None, None, None, s, d), lambda i, j: (layer, i, j, 0, 0)),
-            pl.BlockSpec((None, None, None, n1, d), lambda i, j: (layer, i, j, 0, 0)),
-            pl.BlockSpec((None, None, None, n2, d), lambda i, j: (layer, i, j, 0, 0)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, n1, d), lambda i, j: (layer, i, j, 0, 0)),
-            pl.BlockSpec((None, None, None, n2, d), lambda i, j: (layer, i, j, 0, 0)),
-        ],
+        grid=(grid_l, b, kvh),
+        in_specs=[lengths, lengths, per_head(s), per_head(n1), per_head(n2)],
+        out_specs=[per_head(n1), per_head(n2)],
         out_shape=[jax.ShapeDtypeStruct(k1.shape, k1.dtype), jax.ShapeDtypeStruct(k2.shape, k2.dtype)],
         input_output_aliases={3: 0, 4: 1},
         name="minicpm_infllm_compress",
@@ -131,10 +159,10 @@ def compress_step(
     )(old_lengths.astype(jnp.int32), new_lengths.astype(jnp.int32), k, k1, k2)
 
 
-def _paged_compress_kernel(pages_ref, old_ref, new_ref, k_ref, k1_in, k2_in, k1_ref, k2_ref, *, page_size, kernel1,
-                           stride1, kernel2, stride2):
+def _paged_compress_kernel(pages_ref, old_ref, new_ref, k_ref, k1_in, k2_in, k1_ref, k2_ref, *, page_size, levels,
+                           max_tokens):
     del k1_in, k2_in  # aliased to the outputs: entries not written keep their values
-    row = pl.program_id(0)
+    row = pl.program_id(1)
     old, new = old_ref[row], new_ref[row]
     shift = page_size.bit_length() - 1  # shifts and masks: powers of 2 (Pallas-Triton rejects signed remainders)
 
@@ -142,38 +170,39 @@ def _paged_compress_kernel(pages_ref, old_ref, new_ref, k_ref, k1_in, k2_in, k1_
         page = jnp.minimum(lax.shift_right_logical(position, shift), pages_ref.shape[0] - 1)
         return plt.load(pages_ref.at[page]) * page_size + jnp.bitwise_and(position, page_size - 1)
 
-    for ref, kernel, stride in ((k1_ref, kernel1, stride1), (k2_ref, kernel2, stride2)):
-        start = new - kernel
-
-        @pl.when((new > old) & (start >= 0) & (jnp.bitwise_and(start, stride - 1) == 0))
-        def _(ref=ref, kernel=kernel, stride=stride, start=start):
+    for ref, (kernel, stride) in zip((k1_ref, k2_ref), levels):
+        def write(j, ref=ref, kernel=kernel, stride=stride):
+            start = j * stride
             keys = gather_rows(k_ref, slot(start + lax.broadcasted_iota(jnp.int32, (kernel,), 0)))
             mean = jnp.sum(keys.astype(jnp.float32), axis=0) * (1.0 / kernel)
             # The entry lives in the page of the window's last key (pallas_kernels.infllm.paged).
-            dst = lax.shift_right_logical(slot(new - 1), stride.bit_length() - 1)
+            dst = lax.shift_right_logical(slot(start + kernel - 1), stride.bit_length() - 1)
             ref[pl.ds(dst, 1), :] = mean[None, :].astype(ref.dtype)
 
+        _each_new_window(old, new, kernel, stride, max_tokens, write)
 
-def paged_compress_step(
+
+def paged_compress_new_windows(
     k_pages: jax.Array, k1_pages: jax.Array, k2_pages: jax.Array, page_table: jax.Array, old_lengths: jax.Array,
-    new_lengths: jax.Array, *, layer: int, page_size: int, kernel1: int, stride1: int, kernel2: int, stride2: int,
-    interpret: bool | None = None,
+    new_lengths: jax.Array, *, layer: int | None, page_size: int, kernel1: int, stride1: int, kernel2: int,
+    stride2: int, max_tokens: int, interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """:func:`compress_step` over a paged pool (k_pages ``[L, KVH, N, D]``, the compressed pools ``[L, KVH,
-    R1 | R2, D]`` of :mod:`pallas_kernels.infllm.paged`, page_table ``int32[B, P]``): one program per (row,
-    KV head) gathers the completed window's keys through the page table and writes its entry in place.
-    Its reference is :func:`pallas_kernels.infllm.paged.paged_compress_windows_reference` with
-    ``max_tokens=1``; windows, strides and the page size must be powers of 2."""
-    b, kvh, n, d = page_table.shape[0], k_pages.shape[1], k_pages.shape[2], k_pages.shape[3]
-    r1, r2 = k1_pages.shape[2], k2_pages.shape[2]
-    lengths = pl.BlockSpec((b,), lambda i, j: (0,))
-    kernel = functools.partial(_paged_compress_kernel, page_size=page_size, kernel1=kernel1, stride1=stride1,
-                               kernel2=kernel2, stride2=stride2)
-    pool = lambda rows: pl.BlockSpec((None, None, rows, d), lambda i, j: (layer, j, 0, 0))  # noqa: E731
+    """:func:`compress_new_windows` over a paged pool (k_pages ``[L, KVH, N, D]``, the compressed pools ``[L,
+    KVH, R1 | R2, D]`` of :mod:`pallas_kernels.infllm.paged`, page_table ``int32[B, P]``): one program per
+    (layer, row, KV head) gathers each new window's keys through the page table and writes its entry in
+    place. Its reference is :func:`pallas_kernels.infllm.paged.paged_compress_windows_reference`; windows,
+    strides and the page size must be powers of 2."""
+    num_layers, kvh, n, d = k_pages.shape
+    b, r1, r2 = page_table.shape[0], k1_pages.shape[2], k2_pages.shape[2]
+    grid_l, base = _layer_grid(layer, num_layers)
+    lengths = pl.BlockSpec((b,), lambda l_, i, j: (0,))
+    kernel = functools.partial(_paged_compress_kernel, page_size=page_size,
+                               levels=((kernel1, stride1), (kernel2, stride2)), max_tokens=max_tokens)
+    pool = lambda rows: pl.BlockSpec((None, None, rows, d), lambda l_, i, j: (base + l_, j, 0, 0))  # noqa: E731
     return pl.pallas_call(
         kernel,
-        grid=(b, kvh),
-        in_specs=[pl.BlockSpec((None, page_table.shape[1]), lambda i, j: (i, 0)), lengths, lengths, pool(n),
+        grid=(grid_l, b, kvh),
+        in_specs=[pl.BlockSpec((None, page_table.shape[1]), lambda l_, i, j: (i, 0)), lengths, lengths, pool(n),
                   pool(r1), pool(r2)],
         out_specs=[pool(r1), pool(r2)],
         out_shape=[jax.ShapeDtypeStruct(k1_pages.shape, k1_pages.dtype),

@@ -63,13 +63,20 @@ def compressed_view(pages: jax.Array, layer: int, page_table: jax.Array, n: int,
 
 def paged_compress_windows_reference(
     k_pages: jax.Array, k1_pages: jax.Array, k2_pages: jax.Array, page_table: jax.Array, old_lengths: jax.Array,
-    new_lengths: jax.Array, *, layer: int, page_size: int, kernel1: int, stride1: int, kernel2: int, stride2: int,
-    max_tokens: int, unrotate=None,
+    new_lengths: jax.Array, *, layer: int | None, page_size: int, kernel1: int, stride1: int, kernel2: int,
+    stride2: int, max_tokens: int, unrotate=None,
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`~pallas_kernels.infllm.compress.compress_windows_reference` over the pool: the windows
     completed by growing each row from ``old_lengths`` to ``new_lengths`` (at most ``max_tokens`` apart)
-    averaged from keys read through the page table, stored in the pages their last keys are in. Returns the
-    updated (k1_pages, k2_pages)."""
+    averaged from keys read through the page table, stored in the pages their last keys are in; ``layer``
+    None: every layer. Returns the updated (k1_pages, k2_pages)."""
+    if layer is None:
+        for each in range(k_pages.shape[0]):
+            k1_pages, k2_pages = paged_compress_windows_reference(
+                k_pages, k1_pages, k2_pages, page_table, old_lengths, new_lengths, layer=each, page_size=page_size,
+                kernel1=kernel1, stride1=stride1, kernel2=kernel2, stride2=stride2, max_tokens=max_tokens,
+                unrotate=unrotate)
+        return k1_pages, k2_pages
     def keys_at(pos):  # [B, n, kernel] -> [B, n, kernel, KVH, D], through the page table
         return jnp.moveaxis(k_pages[layer][:, key_slots(page_table, pos, page_size)], 0, 3)
 

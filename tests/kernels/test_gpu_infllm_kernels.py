@@ -17,7 +17,7 @@ from minicpm_jax.model.cache import KVCache, compressed_sizes
 from pallas_kernels import backend, triton
 from pallas_kernels.flash import merge_splits, merge_splits_rows
 from pallas_kernels.infllm.common import compressed_visible
-from pallas_kernels.infllm.compress import compress_step, compress_step_reference
+from pallas_kernels.infllm.compress import compress_new_windows, compress_step_reference, compress_windows_reference
 from pallas_kernels.infllm.decode import pool_select_attention_reference
 from pallas_kernels.infllm.select import (
     force_blocks,
@@ -199,13 +199,27 @@ def test_gpu_merge_splits_kernel():
 def test_gpu_compress_step_at_8b_dims():
     sparse = SparseConfig()
     cache = _caches(4096, sparse)
-    old = jnp.array([4064 - 1], jnp.int32)  # 4064 = 32 + 16*252 = 128 + 64*61: completes a K1 and a K2 window
+    old = jnp.array([4064 - 1], jnp.int32)  # 4064 = 32 + 16*252: completes a K1 window
     kw = dict(layer=1, kernel1=32, stride1=16, kernel2=128, stride2=64)
     for new in (old + 1, old + 2, old):
         ref = compress_step_reference(cache.k, cache.k1, cache.k2, new - 1, new, **kw)
-        got = jax.jit(lambda *a: compress_step(*a, **kw))(cache.k, cache.k1, cache.k2, new - 1, new)
+        got = jax.jit(lambda *a: compress_new_windows(*a, max_tokens=1, **kw))(cache.k, cache.k1, cache.k2, new - 1,
+                                                                               new)
         for r, g in zip(ref, got):
             np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), atol=1e-2)
+
+
+def test_gpu_compress_of_a_speculative_path_in_every_layer_at_8b_dims():
+    """A 3-token accepted path crossing a K1 and a K2 window end, every layer in one launch, against the jnp
+    reference (bf16 means, both rounded once from fp32)."""
+    cache = _caches(4096, SparseConfig())
+    new = jnp.array([4032 + 1], jnp.int32)  # 4032 = 32 + 16*250 = 128 + 64*61: ends a K1 and a K2 window
+    kw = dict(layer=None, kernel1=32, stride1=16, kernel2=128, stride2=64, max_tokens=3)
+    ref = compress_windows_reference(cache.k, cache.k1, cache.k2, new - 3, new, **kw)
+    got = jax.jit(lambda *a: compress_new_windows(*a, **kw))(cache.k, cache.k1, cache.k2, new - 3, new)
+    for r, g, before in zip(ref, got, (cache.k1, cache.k2)):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), atol=1e-2)
+        assert int(jnp.sum(jnp.any(r != before, axis=-1))) > 0
 
 
 @pytest.mark.parametrize("start,t", [(16384, 2048), (9000, 300)])

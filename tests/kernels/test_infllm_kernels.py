@@ -23,7 +23,7 @@ from pallas_kernels.attention import attention_reference
 from pallas_kernels.flash import merge_attention
 from pallas_kernels.infllm import select as select_module
 from pallas_kernels.infllm.common import compressed_visible, scores_config
-from pallas_kernels.infllm.compress import compress_step, compress_step_reference
+from pallas_kernels.infllm.compress import compress_new_windows, compress_step_reference, compress_windows_reference
 from pallas_kernels.infllm.decode import pool_select_attention, pool_select_attention_reference
 from pallas_kernels.infllm.select import (
     pool_select_blocks,
@@ -660,7 +660,7 @@ def test_compress_step_kernel_matches_reference_and_the_general_update():
     old, new = jnp.array([3, 15, 20, 40, 2]), jnp.array([4, 16, 20, 41, 3])
     kw = dict(layer=1, kernel1=4, stride1=2, kernel2=16, stride2=8)
     ref = compress_step_reference(k, k1, k2, old, new, **kw)
-    got = compress_step(k, k1, k2, old, new, interpret=True, **kw)
+    got = compress_new_windows(k, k1, k2, old, new, max_tokens=1, interpret=True, **kw)
     cache = extend_compressed(KVCache(k=k, v=k, lengths=old, k1=k1, k2=k2), 1, old, new, SMALL, max_tokens=1,
                               kernels=XLA)
     for r, g, general, before in zip(ref, got, (cache.k1, cache.k2), (k1, k2)):
@@ -668,6 +668,38 @@ def test_compress_step_kernel_matches_reference_and_the_general_update():
         np.testing.assert_allclose(np.asarray(general), np.asarray(r), rtol=1e-6, atol=1e-7)
     changed = [int(jnp.sum(jnp.any(r != b, axis=-1))) for r, b in zip(ref, (k1, k2))]
     assert changed == [2 * 2, 1 * 2]  # rows 0 (j=0) and 1 (j=6) in K1; row 1 (j=0) in K2; 2 KV heads each
+
+
+@pytest.mark.parametrize("layer", [None, 1])
+def test_compress_kernel_extends_a_speculative_path_in_every_layer_at_once(layer):
+    """A few tokens at once (a speculative round's accepted path, max_tokens 8 = four fine windows of stride
+    2): the kernel (interpret mode) writes exactly the windows each row completed, as NumPy's means of the
+    keys, in one layer or every layer in one launch, and leaves every other entry as it was; the backend op
+    takes the kernel and equals the jnp reference."""
+    rng = np.random.default_rng(10)
+    k = rng.standard_normal((3, 5, 2, 64, 16)).astype(np.float32)
+    k1 = rng.standard_normal((3, 5, 2, 32, 16)).astype(np.float32)
+    k2 = rng.standard_normal((3, 5, 2, 16, 16)).astype(np.float32)
+    old, new = np.array([3, 15, 20, 40, 2]), np.array([4, 18, 20, 48, 10])  # 1, 2, 0, 4, 4 fine windows
+    kw = dict(kernel1=4, stride1=2, kernel2=16, stride2=8)
+    args = [jnp.asarray(x) for x in (k, k1, k2, old, new)]
+    got = compress_new_windows(*args, layer=layer, max_tokens=8, interpret=True, **kw)
+    want = [k1.copy(), k2.copy()]
+    written = 0
+    for w, kernel, stride in zip(want, (4, 16), (2, 8)):
+        for lay in range(3) if layer is None else [layer]:
+            for r in range(5):
+                counts = [max(0, (n - kernel) // stride + 1) if n >= kernel else 0 for n in (old[r], new[r])]
+                for j in range(*counts):
+                    w[lay, r, :, j] = np_compress(k[lay, r, :, j * stride: j * stride + kernel], kernel, stride)[:, 0]
+                    written += 1
+    assert written == (1 + 2 + 4 + 4 + 1 + 1) * (3 if layer is None else 1)  # K2: rows 1 (j=0), 3 (j=4)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-6, atol=1e-6)
+    ref = compress_windows_reference(*args, layer=layer, max_tokens=8, **kw)
+    op = PALLAS.compress_windows(*args, geometry=geometry(SMALL), layer=layer, max_tokens=8)
+    for o, r in zip(op, ref):
+        np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=1e-6, atol=1e-6)
 
 
 def _np_tree_merge(q, tree_k, tree_v, mask, out_p, lse_p, scale):

@@ -13,7 +13,7 @@ from minicpm_jax.config import SparseConfig
 from minicpm_jax.infllm.policy import geometry
 from pallas_kernels import triton, xla
 from pallas_kernels.infllm.common import compressed_count
-from pallas_kernels.infllm.compress import compress_windows_reference, paged_compress_step
+from pallas_kernels.infllm.compress import compress_windows_reference, paged_compress_new_windows
 from pallas_kernels.infllm.paged import (
     check_paged_geometry,
     compressed_view,
@@ -103,23 +103,23 @@ def test_geometry_that_does_not_map_onto_pages_is_refused():
         check_paged_geometry(16, block_size=16, stride1=4, stride2=32)
 
 
-def test_paged_compress_step_kernel_matches_the_reference(layout):
-    """One decode step: rows 0 and 2 grow by a token completing windows (K1 for both, K2 for row 2), row 1
-    does not grow; the kernel (interpret mode) writes exactly the reference's entries in place."""
-    old = jnp.asarray(LENGTHS - np.array([1, 0, 1]))
+@pytest.mark.parametrize("max_tokens,grow,layer", [(1, (1, 0, 1), LAYER), (6, (6, 0, 5), None)])
+def test_paged_compress_kernel_matches_the_reference(layout, max_tokens, grow, layer):
+    """A decode step (one layer) and a speculative path of up to 6 tokens (every layer in one launch): rows
+    0 and 2 complete windows (K1 for both, two for row 2 on the path, K2 for row 2), row 1 does not grow;
+    the kernel (interpret mode) writes exactly the reference's entries in place."""
+    old = jnp.asarray(LENGTHS - np.array(grow))
     new = jnp.asarray(LENGTHS)
     k1, k2 = (jnp.where(jnp.isnan(x), 7.0, x) for x in (layout["k1p"], layout["k2p"]))  # NaN != NaN
-    want = paged_compress_windows_reference(layout["kp"], k1, k2, layout["table"], old, new, layer=LAYER,
-                                            page_size=PAGE, max_tokens=1, **GEO.stage1())
-    scrambled = [x.at[LAYER].set(x[LAYER] + 1.0) for x in (k1, k2)]  # the entries the step must rewrite
-    fresh = paged_compress_windows_reference(layout["kp"], *scrambled, layout["table"], old, new, layer=LAYER,
-                                             page_size=PAGE, max_tokens=1, **GEO.stage1())
-    got = paged_compress_step(layout["kp"], *scrambled, layout["table"], old, new, layer=LAYER, page_size=PAGE,
-                              interpret=True, **GEO.stage1())
+    kw = dict(layer=layer, page_size=PAGE, max_tokens=max_tokens, **GEO.stage1())
+    want = paged_compress_windows_reference(layout["kp"], k1, k2, layout["table"], old, new, **kw)
+    scrambled = [x + 1.0 if layer is None else x.at[LAYER].set(x[LAYER] + 1.0) for x in (k1, k2)]
+    fresh = paged_compress_windows_reference(layout["kp"], *scrambled, layout["table"], old, new, **kw)
+    got = paged_compress_new_windows(layout["kp"], *scrambled, layout["table"], old, new, interpret=True, **kw)
     for g, f, w, s in zip(got, fresh, want, scrambled):
         np.testing.assert_allclose(np.asarray(g), np.asarray(f), rtol=1e-5, atol=1e-6)
         changed = np.asarray(w != s).any(axis=-1)
-        assert changed.sum() >= 2 * KVH  # the step wrote entries (rows 0 and 2, every head)
+        assert changed.sum() >= 2 * KVH * (LAYERS if layer is None else 1)  # rows 0 and 2, every head (layer)
 
 
 def _queries(t, seed=1):
