@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from minicpm_jax.engine.sampling import sample, token_logprobs
-from minicpm_jax.engine.stops import DecodeState, apply_stops, live_block
+from minicpm_jax.engine.stops import DecodeState, apply_stops, loop_conditions_on_device, live_block
 from minicpm_jax.model.cache import KVCache
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
 from minicpm_jax.model.parallel import REPLICATED, spmd
@@ -114,9 +114,9 @@ def first_token(ds: DecodeState, logits, active, cache_lengths, *, max_length: i
 
 
 def decode_steps(graphdef, state, cache: KVCache, ds: DecodeState, *, num_steps: int, mode: str = "dense",
-                 sampling: str = "auto", logprobs: int = 0):
-    """``num_steps`` decode steps on device (none when every row is done at the start; a row that finishes
-    inside the block runs on masked, :func:`~minicpm_jax.engine.stops.live_block`); returns (cache, state,
+                 sampling: str = "auto", logprobs: int = 0, check_each: bool = False):
+    """Up to ``num_steps`` decode steps on device while a row is live (:func:`~minicpm_jax.engine.stops.live_block`
+    with ``check_each``: checked before every step, or once at the block's start); returns (cache, state,
     tokens ``int32[B, num_steps]``, -1 = none). With ``logprobs`` (static) > 0 also each token's
     log-probability and the ``logprobs`` most likely tokens of its step, from the logits the step samples
     from: (cache, state, tokens, (f32[B, N], int32[B, N, K], f32[B, N, K]))."""
@@ -138,12 +138,12 @@ def decode_steps(graphdef, state, cache: KVCache, ds: DecodeState, *, num_steps:
         ds, _ = apply_stops(ds, new_tok[:, None], active.astype(jnp.int32), active, cache.lengths, cache.max_length)
         return i + 1, cache, ds, out, lps
 
-    _, cache, ds, out, lps = live_block(body, (jnp.int32(0), cache, ds, out, lps), num_steps)
+    _, cache, ds, out, lps = live_block(body, (jnp.int32(0), cache, ds, out, lps), num_steps, check_each)
     return (cache, ds, out, lps) if logprobs else (cache, ds, out)
 
 
 def decode_rows(graphdef, state, cache, ds: DecodeState, idx, *, num_steps: int, mode: str = "dense",
-                sampling: str = "auto", logprobs: int = 0):
+                sampling: str = "auto", logprobs: int = 0, check_each: bool = False):
     """:func:`decode_steps` over the slots ``idx int32[b]`` alone (distinct slots; the cache's view of them —
     free for a paged cache, whose rows are page-table rows — and their decode state); the other slots are
     neither computed nor changed. Returns what :func:`decode_steps` does, over every slot (tokens -1 and
@@ -151,7 +151,7 @@ def decode_rows(graphdef, state, cache, ds: DecodeState, idx, *, num_steps: int,
     b = ds.tok.shape[0]
     rows = jax.tree.map(lambda x: x[idx], ds)
     out = decode_steps(graphdef, state, cache.take_rows(idx), rows, num_steps=num_steps, mode=mode,
-                       sampling=sampling, logprobs=logprobs)
+                       sampling=sampling, logprobs=logprobs, check_each=check_each)
     cache = cache.put_rows(idx, out[0])
     ds = jax.tree.map(lambda full, r: full.at[idx].set(r), ds, out[1])
     tokens = jnp.full((b, num_steps), -1, jnp.int32).at[idx].set(out[2])
@@ -195,8 +195,9 @@ class PlainSteps:
         prefill = spmd(mesh, model_fn(prefill_chunk), (s, c, r, r, r), (c, r))
         rows = spmd(mesh, model_fn(prefill_rows), (s, c, r, r, r), (c, r))
         outs = lambda logprobs=0, **_: (c, r, r, r) if logprobs else (c, r, r)  # noqa: E731
-        decode = spmd(mesh, model_fn(decode_steps, num_steps=decode_block), (s, c, r), outs)
-        subset = spmd(mesh, model_fn(decode_rows, num_steps=decode_block), (s, c, r, r), outs)
+        block = dict(num_steps=decode_block, check_each=loop_conditions_on_device(1 if mesh is None else mesh.size))
+        decode = spmd(mesh, model_fn(decode_steps, **block), (s, c, r), outs)
+        subset = spmd(mesh, model_fn(decode_rows, **block), (s, c, r, r), outs)
         self.compiled = Compiled({
             "prefill": jax.jit(prefill, donate_argnums=1, static_argnames="mode"),
             "prefill_rows": jax.jit(rows, donate_argnums=1, static_argnames="mode"),

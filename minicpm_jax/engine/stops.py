@@ -4,6 +4,8 @@ rounds (up to A tokens a round): stop ids (the stop token is emitted), the token
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from typing import Sequence
 
 import jax
@@ -78,19 +80,47 @@ def apply_stops(ds: DecodeState, emitted: jax.Array, count: jax.Array, active: j
     return ds, keep
 
 
-def live_block(body, carry: tuple, iterations: int) -> tuple:
-    """Runs ``body(carry) -> carry`` ``iterations`` times if a row of the carry's :class:`DecodeState` (its
-    third element; the first is the iteration counter) is not done at the start, else not at all. Rows
-    that finish inside the block run on masked (they change nothing) to its end.
+def command_buffer_types() -> set[str]:
+    """The kinds of work ``XLA_FLAGS`` name for XLA to record into CUDA graphs in this process
+    (``--xla_gpu_enable_command_buffer``, the last one given; ``+KIND`` counts, ``-KIND`` does not):
+    upper-case names such as ``WHILE``, ``CONDITIONAL``; empty when the flags name none."""
+    values = re.findall(r"--xla_gpu_enable_command_buffer=(\S*)", os.environ.get("XLA_FLAGS", ""))
+    kinds = [k.strip() for k in values[-1].split(",")] if values else []
+    return {k.lstrip("+").upper() for k in kinds if k and not k.startswith("-")}
 
-    Why not stop at the iteration a row finishes (a while loop on "any row live", as this was): XLA runs a
-    while loop whose trip count it cannot tell by copying the condition to the host before every
-    iteration, so the host waits for the device to finish before it launches the next iteration, and the
-    device idles while the launch starts. A 128K speculative round of the 8B shape (int4 + InfLLM-v2, tree
-    12; H200) took 7.75 ms that way and 7.02 ms in a loop of a known trip count. The one check left, a
-    conditional at the block's start, costs a copy a block instead of one an iteration (the same round:
-    2.351 ms/token with it, 2.302 with no check at all, best of 2, one process) and skips the block the
-    engine queues before it reads the previous one when that one finished every row.
+
+def loop_conditions_on_device(devices: int = 1) -> bool:
+    """Whether a while loop's data-dependent condition inside a compiled decode block costs no host round
+    trip: off the GPU (the host runs the program), or on one GPU whose XLA records while loops into CUDA
+    graphs (``WHILE`` command buffers, which ``run``, the server and the benchmarks turn on:
+    ``minicpm_jax.cli.system.enable_command_buffers``). XLA's GPU runtime otherwise copies the condition
+    to the host before every iteration and waits for it; a block split over several GPUs (``devices`` > 1)
+    has collectives inside, which keep it out of the graphs."""
+    if jax.default_backend() != "gpu":
+        return True
+    return devices == 1 and "WHILE" in command_buffer_types()
+
+
+def live_block(body, carry: tuple, iterations: int, check_each: bool = False) -> tuple:
+    """Runs ``body(carry) -> carry`` up to ``iterations`` times while a row of the carry's
+    :class:`DecodeState` (its third element) is not done; the carry's first element is the iteration
+    counter, which ``body`` increments.
+
+    ``check_each`` (where :func:`loop_conditions_on_device`): a while loop on "below ``iterations`` and a
+    row is live", so a block stops computing when its last row finishes (a generation that ends inside a
+    block wastes nothing: at 128K, the speculative benchmark's 64-token run computed 24 rounds for 21).
+    Otherwise the iterations run as a fixed trip count behind one check at the block's start, and rows
+    that finish inside the block run on masked to its end.
+
+    Why not the while loop everywhere (as this was): XLA's GPU runtime runs a while loop whose trip count it
+    cannot tell by copying the condition to the host before every iteration (unless its command buffers
+    record the loop), so the host waits for the device to finish before it launches the next iteration,
+    and the device idles while the launch starts. A 128K speculative round of the 8B shape (int4 +
+    InfLLM-v2, tree 12; H200) took 7.75 ms that way and 7.02 ms in a loop of a known trip count. The one
+    check at the start costs a copy a block instead of one an iteration (the same round: 2.351 ms/token
+    with it, 2.302 with no check at all, best of 2, one process, no command buffers) and skips the block the
+    engine queues before it reads the previous one when that one finished every row. (A conditional
+    around each iteration instead of the while loop made XLA copy the cache every step.)
 
     One iteration runs without the check (the server's step): a block of one step whose rows are all done
     computes one step that changes nothing, and the host queues the next block while the device runs
@@ -98,7 +128,13 @@ def live_block(body, carry: tuple, iterations: int) -> tuple:
     if iterations == 1:
         return body(carry)
 
+    def live(c):
+        return jnp.any(~c[2].done)
+
+    if check_each:
+        return jax.lax.while_loop(lambda c: (c[0] < iterations) & live(c), body, carry)
+
     def run(c):
         return jax.lax.fori_loop(0, iterations, lambda _, c_: body(c_), c)  # a known trip count: no copy
 
-    return jax.lax.cond(jnp.any(~carry[2].done), run, lambda c: c, carry)
+    return jax.lax.cond(live(carry), run, lambda c: c, carry)

@@ -398,19 +398,38 @@ def _rows_state(done) -> DecodeState:
                        top_p=jnp.ones((b,)), stop_ids=jnp.full((b, 4), -1, jnp.int32))
 
 
+@pytest.mark.parametrize("check_each", [False, True], ids=["block", "each"])
 @pytest.mark.parametrize("iterations, done, finish_at, want_ran, want_done", [
-    (6, [True, True], 0, 0, [True, True]),        # every row done at the start: the block runs nothing
-    (6, [True, False], 2, 6, [True, True]),       # the live row finishes after 2: the block runs to its end
-    (6, [False, False], 99, 6, [False, False]),   # no row finishes
-    (1, [True, True], 0, 1, [True, True]),        # one step runs unchecked (the server's block)
+    (6, [True, True], 0, (0, 0), [True, True]),        # every row done at the start: the block runs nothing
+    (6, [True, False], 2, (6, 2), [True, True]),       # the live row finishes after 2: to the block's end or not
+    (6, [False, False], 99, (6, 6), [False, False]),   # no row finishes
+    (1, [True, True], 0, (1, 1), [True, True]),        # one step runs unchecked (the server's block)
 ])
-def test_live_block_runs_a_whole_block_once_a_row_is_live(iterations, done, finish_at, want_ran, want_done):
-    """stops.live_block: a fixed trip count (no predicate a step for the host to read) behind one check."""
+def test_live_block_runs_while_a_row_is_live(iterations, done, finish_at, want_ran, want_done, check_each):
+    """stops.live_block: a fixed trip count (no predicate a step for the host to read) behind one check, or
+    (check_each, where a loop condition costs no host round trip) a while loop that stops the block when its
+    last row finishes."""
     def body(c):
         i, ran, ds = c
         return i + 1, ran + 1, dataclasses.replace(ds, done=ds.done | (i + 1 >= finish_at))
 
-    run = jax.jit(lambda ds: live_block(body, (jnp.int32(0), jnp.int32(0), ds), iterations))
+    run = jax.jit(lambda ds: live_block(body, (jnp.int32(0), jnp.int32(0), ds), iterations, check_each))
     i, ran, ds = run(_rows_state(done))
-    assert int(ran) == int(i) == want_ran
+    assert int(ran) == int(i) == want_ran[check_each]
     assert np.asarray(ds.done).tolist() == want_done
+
+
+def test_blocks_check_each_step_where_loop_conditions_stay_on_the_device(monkeypatch):
+    """Off the GPU, and on one GPU with WHILE command buffers (as run / the server set them), a block checks
+    its rows before every step; on a GPU without them, or split over several, once at its start."""
+    from minicpm_jax.cli.system import COMMAND_BUFFER_FLAG
+    from minicpm_jax.engine import stops
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    assert stops.loop_conditions_on_device() and stops.command_buffer_types() == set()  # this CPU
+    monkeypatch.setattr(stops.jax, "default_backend", lambda: "gpu")
+    assert not stops.loop_conditions_on_device()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x " + COMMAND_BUFFER_FLAG)
+    assert stops.loop_conditions_on_device() and not stops.loop_conditions_on_device(devices=2)
+    monkeypatch.setenv("XLA_FLAGS", COMMAND_BUFFER_FLAG + " --xla_gpu_enable_command_buffer=+conditional,-WHILE")
+    assert stops.command_buffer_types() == {"CONDITIONAL"} and not stops.loop_conditions_on_device()

@@ -27,7 +27,7 @@ from minicpm_jax.engine.speculative.rounds import (
     spec_prefill_rows,
 )
 from minicpm_jax.engine.steps import Compiled, PrefillChunk, first_token, sum_rows
-from minicpm_jax.engine.stops import DecodeState
+from minicpm_jax.engine.stops import DecodeState, loop_conditions_on_device
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.infllm.policy import tree_depth_limit
 from minicpm_jax.model.cache import KVCache
@@ -113,7 +113,8 @@ class EagleSteps:
                        (s, r, c, r, r, r, r, r, r, r), (c, r, r, r))
         # decode(state, dstate, head, ids, cache, ds, st)
         decode = spmd(mesh, functools.partial(spec_block, g, dgraph=dg, rounds=decode_block, spec=self.spec,
-                                              accept=accept),
+                                              accept=accept,
+                                              check_each=loop_conditions_on_device(1 if mesh is None else mesh.size)),
                       (s, r, r, r, c, r, r), (c, r, r, r))
         # prefill_rows(state, dstate, cache, dcache, idx, tokens, next_tokens, num_valid, next_valid, last_feat)
         rows = spmd(mesh, functools.partial(spec_prefill_rows, g, dgraph=dg), (s, r, c, r, r, r, r, r, r, r),

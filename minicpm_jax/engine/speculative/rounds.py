@@ -286,9 +286,10 @@ def run_round(model, draft, head, ids, cache: KVCache, ds: DecodeState, st: Spec
 
 
 def spec_block(graphdef, state, dstate, head, ids, cache, ds, st, *, dgraph, rounds: int, spec: SpecConfig,
-               accept: AcceptRule = match_target, sampling: str = "auto", mode: str = "auto"):
-    """``rounds`` rounds on device (none when every row is done at the start; a row that finishes inside
-    the block runs on masked, :func:`~minicpm_jax.engine.stops.live_block`); returns (cache, ds, st, tokens
+               accept: AcceptRule = match_target, sampling: str = "auto", mode: str = "auto",
+               check_each: bool = False):
+    """Up to ``rounds`` rounds on device while a row is live (:func:`~minicpm_jax.engine.stops.live_block`
+    with ``check_each``: checked before every round, or once at the block's start); returns (cache, ds, st, tokens
     ``int32[B, rounds·A]``, -1 = none).
     graphdef / dgraph: the target's and the draft's static graphs; state / dstate their arrays."""
     model, draft = nnx.merge(graphdef, state), nnx.merge(dgraph, dstate)
@@ -303,7 +304,7 @@ def spec_block(graphdef, state, dstate, head, ids, cache, ds, st, *, dgraph, rou
         out = lax.dynamic_update_slice(out, emitted, (0, i * a))
         return i + 1, cache, ds, st, out
 
-    _, cache, ds, st, out = live_block(body, (jnp.int32(0), cache, ds, st, out), rounds)
+    _, cache, ds, st, out = live_block(body, (jnp.int32(0), cache, ds, st, out), rounds, check_each)
     return cache, ds, st, out
 
 
