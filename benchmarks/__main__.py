@@ -102,6 +102,8 @@ flags.DEFINE_enum("spec_sparse", "off", ["off", "on"], "spec: the target's InfLL
                   "settings, e.g. int4 + InfLLM-v2 + EAGLE at --spec_context 131072, CPM.cu's headline stack).")
 flags.DEFINE_integer("spec_oracle_tree_size", 32, "spec: tree nodes of the oracle rounds.")
 flags.DEFINE_integer("spec_frspec_vocab", 32768, "spec: FR-Spec draft vocabulary of the oracle rounds (0 = full).")
+flags.DEFINE_list("spec_draft_quants", ["none"], "spec: the random drafts of the oracle rows: none (bf16) and/or int4 "
+                  "(fc and layer linears at --quant_group_size, as CPM.cu's headline stack runs its QAT draft).")
 flags.DEFINE_list("prefill_contexts", ["2048", "8192", "32768"], "kernels: causal prompt lengths.")
 flags.DEFINE_list("decode_contexts", ["1024", "8192", "32768", "131072"], "kernels: cache lengths for decode.")
 flags.DEFINE_integer("decode_kernel_layers", 0, "kernels: layers' caches per timed decode call (0 = enough to stream "
@@ -187,9 +189,11 @@ def _main():
     unknown = set(FLAGS.scenarios) - set(SCENARIOS)
     if unknown:
         raise MiniCPMError(f"--scenarios: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SCENARIOS)})")
-    bad_quant = set(FLAGS.quants) - {"none", "int4"}
-    if bad_quant:
-        raise MiniCPMError(f"--quants: unknown {', '.join(sorted(bad_quant))} (choose from none, int4)")
+    for name in ("quants", "spec_draft_quants"):
+        bad_quant = set(getattr(FLAGS, name)) - {"none", "int4"}
+        if bad_quant or not getattr(FLAGS, name):
+            raise MiniCPMError(f"--{name}: unknown {', '.join(sorted(bad_quant)) or 'empty list'} (choose from none, "
+                               "int4)")
     quant_spec = QuantSpec(group_size=FLAGS.quant_group_size)
     bad_kernel = set(FLAGS.int4_kernels) - {"auto", *INT4_KERNELS}
     if bad_kernel:
@@ -257,7 +261,7 @@ def _main():
                                            _float_list("spec_oracle_accept", FLAGS.spec_oracle_accept), FLAGS.quants,
                                            quant_spec.group_size, dtype, FLAGS.decode_steps, FLAGS.repeats,
                                            random_model, FLAGS.spec_oracle_tree_size, FLAGS.spec_frspec_vocab,
-                                           FLAGS.spec_sparse)
+                                           FLAGS.spec_sparse, tuple(FLAGS.spec_draft_quants))
         tables.append(spec_markdown(result["spec"]))
     sizes = _int_list("tensor_parallel", FLAGS.tensor_parallel)
     if "collectives" in FLAGS.scenarios:

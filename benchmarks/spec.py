@@ -17,9 +17,11 @@ length, random weights of the shape (target) and a random one-layer draft of the
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -88,23 +90,37 @@ def _ms(times: list[float]) -> float:
 
 def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], oracle_accepts: list[float],
                       quants: list[str], group_size: int, dtype, decode_steps: int, repeats: int, make_model,
-                      oracle_tree_size: int = 32, frspec_vocab: int = 32768, sparse: str = "off") -> dict:
+                      oracle_tree_size: int = 32, frspec_vocab: int = 32768, sparse: str = "off",
+                      draft_quants: tuple[str, ...] = ("none",)) -> dict:
     """All rows of the scenario (see the module doc) at one context length, batch 1. Oracle rounds use
     ``oracle_tree_size`` nodes and an FR-Spec draft head of ``frspec_vocab`` ids (0 = the full vocabulary),
     CPM.cu's default. sparse: the target's InfLLM-v2 mode (``on``: the shape's sparse settings; every
-    row, plain decoding included, then attends sparsely past ``dense_len``).
+    row, plain decoding included, then attends sparsely past ``dense_len``). draft_quants: the random
+    drafts of the oracle rows, ``none`` (bf16) and/or ``int4`` (fc and layer linears int4 at ``group_size``,
+    as CPM.cu's headline stack runs its QAT draft).
 
     make_model(config, max_length, dtype, quant=QuantSpec|None, sparse=str): the random target
     (``shapes.random_model``)."""
     max_length = context + decode_steps + 128
     prompt = list(np.random.default_rng(0).integers(0, config.vocab_size, context))
-    out: dict = {"context": context, "sparse": sparse, "rows": []}
+    if not draft_quants or set(draft_quants) - {"none", "int4"}:
+        raise MiniCPMError(f"draft quants must be none and/or int4, got {list(draft_quants)}")
+    started = time.perf_counter()
+
+    def log(msg):  # progress with the seconds since the start: where a long 128K run spends its time
+        print(f"  [{time.perf_counter() - started:.0f}s] {msg}", file=sys.stderr, flush=True)
+    # The verify / decode loops are short (20 forwards): time each at least 3 times, so that one slow run
+    # shows as an outlier beside the median instead of being the row.
+    loop_repeats = max(3, repeats)
+    out: dict = {"context": context, "sparse": sparse, "draft_quants": list(draft_quants), "rows": []}
     plain_bf16 = None
     for quant in sorted(quants, key=lambda q: q != "none"):  # the dense baseline first, whatever the flag order
         spec_q = QuantSpec(group_size=group_size) if quant == "int4" else None
         model = make_model(config, max_length, dtype, quant=spec_q, sparse=sparse)
-        draft = EagleDraft(DraftSpec.for_target(config), max_length=max_length, attention_impl=model.attention_impl,
-                           dtype=dtype, rngs=nnx.Rngs(1))
+        drafts = {dq: EagleDraft(DraftSpec.for_target(config), max_length=max_length,
+                                 attention_impl=model.attention_impl, dtype=dtype, rngs=nnx.Rngs(1),
+                                 quant=QuantSpec(group_size=group_size) if dq == "int4" else None)
+                  for dq in draft_quants}
         # Plain decode through the engine.
         engine = Engine(model, batch_size=1, chunk_length=1024, decode_block=32)
         engine.generate([prompt], max_new_tokens=decode_steps)
@@ -116,7 +132,7 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
         if plain_bf16 is None:  # dense weights, or int4 when only int4 is asked
             plain_bf16 = _ms(plain)
         row = {"quant": quant, "plain_ms_per_token": [1e3 * t for t in plain], "plain_prefill_tok_s": plain_prefill}
-        print(f"  spec {quant}: plain {row['plain_ms_per_token']} ms/token", file=sys.stderr)
+        log(f"spec {quant}: plain {row['plain_ms_per_token']} ms/token")
         # Issue 42's memory bound: the engine's largest program (prefill chunk, decode block) against the
         # weights + the engine's cache it runs over.
         row["program_bytes"] = program_memory(engine.steps.compiled)
@@ -147,26 +163,29 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
             return dataclasses.replace(c2, lengths=c.lengths), probe + logits[0, -1, 0].astype(jnp.float32)
 
         one, carry = carried_loop_time(forward, (state, jnp.zeros((1, 1), jnp.int32), None, None), carry, iters=20,
-                                       repeats=repeats)
+                                       repeats=loop_repeats)
         row["decode_forward_ms"] = [1e3 * t for t in one]
 
         def time_verify(n, carry):
             depth, mask = _random_tree(n, 10)
             args = (state, jnp.zeros((1, n), jnp.int32), jnp.asarray(depth[None]), jnp.asarray(mask[None]))
-            t, carry = carried_loop_time(forward, args, carry, iters=20, repeats=repeats)
+            t, carry = carried_loop_time(forward, args, carry, iters=20, repeats=loop_repeats)
             return [1e3 * x for x in t], carry
 
         row["verify"] = []
         for n in tree_sizes:
             ms_n, carry = time_verify(n, carry)
-            row["verify"].append({"tree_size": n, "ms": ms_n, "vs_decode": statistics.median(ms_n) / _ms(one)})
-            print(f"  spec {quant}: verify {n} nodes {row['verify'][-1]}", file=sys.stderr)
+            # Against the forward alone, and against the engine's whole decode step (ms/token of plain decode:
+            # forward, sampling, stop checks), issue 42's "a decode step".
+            row["verify"].append({"tree_size": n, "ms": ms_n, "vs_decode": statistics.median(ms_n) / _ms(one),
+                                  "vs_decode_step": statistics.median(ms_n) / _ms(plain)})
+            log(f"spec {quant}: verify {n} nodes {row['verify'][-1]}")
 
         # Oracle rounds through the speculative engine, and the split of one round.
         row["oracle"] = []
         ids = np.arange(min(frspec_vocab, config.vocab_size), dtype=np.int32) if frspec_vocab else None
         head = None if ids is None else model.head_rows(jnp.asarray(ids))
-        for k in oracle_accepts:
+        for (draft_quant, draft), k in itertools.product(drafts.items(), oracle_accepts):
             n = oracle_tree_size
             spec = SpecConfig(num_iter=max(2, math.ceil(k) - 1), topk_per_iter=10, tree_size=n)
             steps = EagleSteps(model, draft, spec=spec, frspec_ids=ids, batch_size=1, decode_block=8,
@@ -196,7 +215,7 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
                 return dataclasses.replace(dc2, lengths=dc.lengths), probe + score[0, 0] + tok[0, -1]
 
             t_draft, _ = carried_loop_time(draft_part, (state, dstate, dataclasses.replace(st0, dcache=None)),
-                                           (st0.dcache, jnp.zeros((), jnp.float32)), iters=20, repeats=repeats)
+                                           (st0.dcache, jnp.zeros((), jnp.float32)), iters=20, repeats=loop_repeats)
 
             def compact_part(state, path, carry):
                 # The accepted path moved into place and its compressed keys appended, as run_round does.
@@ -207,14 +226,15 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
                 return dataclasses.replace(c2, lengths=c.lengths), probe
 
             path = jnp.asarray([list(range(a))], jnp.int32)
-            t_compact, carry = carried_loop_time(compact_part, (state, path), carry, iters=20, repeats=repeats)
+            t_compact, carry = carried_loop_time(compact_part, (state, path), carry, iters=20, repeats=loop_repeats)
             verify_ms = next((v["ms"] for v in row["verify"] if v["tree_size"] == n), None)
             if verify_ms is None:
                 verify_ms, carry = time_verify(n, carry)
             round_ms = statistics.median(ms) * acc
             split = {"draft": _ms(t_draft), "verify": statistics.median(verify_ms), "compact": _ms(t_compact)}
             split["accept_and_rest"] = round_ms - sum(split.values())
-            row["oracle"].append({"accept": k, "tree_size": n, "num_iter": spec.num_iter, "frspec_vocab": frspec_vocab,
+            row["oracle"].append({"accept": k, "draft_quant": draft_quant, "tree_size": n, "num_iter": spec.num_iter,
+                                  "frspec_vocab": frspec_vocab,
                                   "ms_per_token": ms, "prefill_tok_s": prefill,
                                   "mean_accept_length": acc, "round_ms": round_ms, "split_ms": split,
                                   "speedup_vs_plain": _ms(plain) / statistics.median(ms),
@@ -223,13 +243,13 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
             o["program_bytes"] = program_memory(seng.steps.compiled)
             o["weights_and_caches_bytes"] = (_bytes(nnx.state(model)) + _bytes(nnx.state(draft)) + _bytes(seng.cache)
                                              + _bytes(seng.steps.dcache))
-            print(f"  spec {quant}: oracle {o}", file=sys.stderr)
+            log(f"spec {quant}: oracle {o}")
             del seng
         # The device's peak so far (this row's programs and the rows before it; None off the GPU).
         row["peak_bytes_in_use"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
         print(f"  spec {quant}: device peak {row['peak_bytes_in_use']} bytes", file=sys.stderr)
         out["rows"].append(row)
-        del model, draft
+        del model, drafts, draft
     out["plain_bf16_ms_per_token"] = plain_bf16
     return out
 
@@ -238,18 +258,22 @@ def spec_markdown(r: dict) -> str:
     sparse = ", InfLLM-v2 sparse attention" if r.get("sparse") == "on" else ""
     lines = [f"Speculative decoding (EAGLE-2 trees, batch 1, context {r['context']}{sparse}, random weights; "
              f"plain dense-weight decode {r['plain_bf16_ms_per_token']:.3f} ms/token)", "",
-             "| weights | tree | verify ms | plain decode fwd ms | verify / decode |", "|---|---|---|---|---|"]
+             "| weights | tree | verify ms | plain decode fwd ms | verify / decode fwd | verify / decode step |",
+             "|---|---|---|---|---|---|"]
     for row in r["rows"]:
         for v in row["verify"]:
+            step = f"{v['vs_decode_step']:.2f}x" if "vs_decode_step" in v else "n/a"
             lines.append(f"| {row['quant']} | {v['tree_size']} | {statistics.median(v['ms']):.3f} | "
-                         f"{statistics.median(row['decode_forward_ms']):.3f} | {v['vs_decode']:.2f}x |")
-    lines += ["", "| weights | oracle accept | tree (FR-Spec ids) | ms/token | tok/s | prefill tok/s | plain ms/token | "
-                  "speed-up | vs plain dense | round ms: draft / verify / compact / accept+rest |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+                         f"{statistics.median(row['decode_forward_ms']):.3f} | {v['vs_decode']:.2f}x | {step} |")
+    lines += ["", "| weights | draft | oracle accept | tree (FR-Spec ids) | ms/token | tok/s | prefill tok/s | "
+                  "plain ms/token | speed-up | vs plain dense | round ms: draft / verify / compact / accept+rest |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
         for o in row["oracle"]:
             s = o["split_ms"]
-            lines.append(f"| {row['quant']} | {o['mean_accept_length']:.2f} | {o['tree_size']} ({o['frspec_vocab'] or 'all'}) | "
+            draft = {"none": "bf16", "int4": "int4"}[o.get("draft_quant", "none")]
+            lines.append(f"| {row['quant']} | {draft} | {o['mean_accept_length']:.2f} | "
+                         f"{o['tree_size']} ({o['frspec_vocab'] or 'all'}) | "
                          f"{statistics.median(o['ms_per_token']):.3f} | {1e3 / statistics.median(o['ms_per_token']):,.0f} | "
                          f"{statistics.median(o['prefill_tok_s']):,.0f} | {statistics.median(row['plain_ms_per_token']):.3f} | "
                          f"{o['speedup_vs_plain']:.2f}x | {o['speedup_vs_plain_bf16']:.2f}x | {o['round_ms']:.2f}: "
@@ -257,8 +281,8 @@ def spec_markdown(r: dict) -> str:
     lines += ["", "| weights | engine | largest program GiB (which) | weights + caches GiB | ratio |", "|---|---|---|---|---|"]
     for row in r["rows"]:
         runs = [("plain", row.get("program_bytes"), row.get("weights_and_cache_bytes"))]
-        runs += [(f"speculative, accept {o['accept']}", o.get("program_bytes"), o.get("weights_and_caches_bytes"))
-                 for o in row["oracle"]]
+        runs += [(f"speculative, accept {o['accept']}" + (", int4 draft" if o.get("draft_quant") == "int4" else ""),
+                  o.get("program_bytes"), o.get("weights_and_caches_bytes")) for o in row["oracle"]]
         for what, programs, base in runs:
             if programs:
                 name, peak = max(programs.items(), key=lambda kv: kv[1])

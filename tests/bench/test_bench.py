@@ -215,19 +215,22 @@ def test_bench_spec_smoke_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     r = _bench("--scenarios", "spec", "--shape", "minicpm4-tiny", "--spec_context", "48", "--spec_tree_sizes", "8",
                "--spec_oracle_tree_size", "12", "--spec_frspec_vocab", "512", "--decode_steps", "13", "--repeats", "1",
-               "--dtype", "float32", "--json_out", str(out))
+               "--spec_draft_quants", "int4", "--dtype", "float32", "--json_out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
-    row = json.loads(out.read_text())["spec"]["rows"][0]
-    assert row["verify"][0]["tree_size"] == 8 and row["verify"][0]["ms"][0] > 0
+    spec = json.loads(out.read_text())["spec"]
+    row = spec["rows"][0]
+    assert spec["draft_quants"] == ["int4"] and row["oracle"][0]["draft_quant"] == "int4"
+    assert row["verify"][0]["tree_size"] == 8 and row["verify"][0]["ms"][0] > 0 and len(row["verify"][0]["ms"]) == 3
+    assert row["verify"][0]["vs_decode_step"] > 0
     oracle = row["oracle"][0]
     assert oracle["mean_accept_length"] == 3.0 and oracle["frspec_vocab"] == 512
     assert set(oracle["split_ms"]) == {"draft", "verify", "compact", "accept_and_rest"}
-    assert "| none | 3.00 | 12 (512) |" in r.stdout
+    assert "| none | int4 | 3.00 | 12 (512) |" in r.stdout
     # Every engine program holds at least the weights and cache it runs over (XLA's buffer assignment).
     model_programs = [v for k, v in row["program_bytes"].items() if k.split("/")[0] in ("prefill", "decode")]
     assert len(model_programs) == 2 and min(model_programs) >= row["weights_and_cache_bytes"] > 0, row
     assert max(oracle["program_bytes"].values()) >= oracle["weights_and_caches_bytes"] > row["weights_and_cache_bytes"]
-    assert "| none | plain |" in r.stdout and "| none | speculative, accept 3.0 |" in r.stdout
+    assert "| none | plain |" in r.stdout and "| none | speculative, accept 3.0, int4 draft |" in r.stdout
 
 
 def test_plot_from_saved_json(tmp_path):
@@ -251,6 +254,7 @@ def test_plot_from_saved_json(tmp_path):
     (["--scenarios", "e2e,warp"], "unknown warp"),
     (["--attention_impls", "cuda"], "unknown cuda"),
     (["--quants", "int8"], "unknown int8"),
+    (["--spec_draft_quants", "int8"], "--spec_draft_quants: unknown int8"),
     (["--peer", "hf,tensorrt"], "--peer: unknown tensorrt"),
     (["--int4_kernels", "auto,marlin_asm"], "unknown marlin_asm"),
     (["--quant_group_size", "24"], "multiple of 16"),
