@@ -77,6 +77,7 @@ def paged_compress_windows_reference(
                 kernel1=kernel1, stride1=stride1, kernel2=kernel2, stride2=stride2, max_tokens=max_tokens,
                 unrotate=unrotate)
         return k1_pages, k2_pages
+
     def keys_at(pos):  # [B, n, kernel] -> [B, n, kernel, KVH, D], through the page table
         return jnp.moveaxis(k_pages[layer][:, key_slots(page_table, pos, page_size)], 0, 3)
 
