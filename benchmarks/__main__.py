@@ -43,7 +43,8 @@ size 1 and, with ``--profile_collectives``, the collectives' kernel time per lay
 ``--peer hf`` first runs HF transformers (PyTorch, same GPU, same shape, random weights; see
 ``benchmarks.hf_peer``) on the e2e contexts, in a subprocess before JAX takes the GPU, and adds its rows and our
 ratio to it; ``--peer torch`` (or ``hf,torch``) likewise a gpt-fast-style PyTorch decoder, bf16 and tinygemm
-int4 per ``--quants`` (``benchmarks.torch_peer``). Writes JSON (``--json_out``) and markdown (``--markdown_out``); prints the markdown last;
+int4 per ``--quants`` (``benchmarks.torch_peer``), and with the ``int4`` scenario tinygemm on every linear
+shape and ``--int4_ms`` row count (a ``tinygemm`` column and our kernel's speed-up over it). Writes JSON (``--json_out``) and markdown (``--markdown_out``); prints the markdown last;
 ``--plot out.png`` draws decode ms/token against context (needs matplotlib; ``--plot_from`` re-plots a
 saved JSON without a GPU).
 """
@@ -61,7 +62,7 @@ from absl import app, flags
 
 from benchmarks.collectives import DEFAULT_SIZES, bench_allreduce, collectives_markdown
 from benchmarks.e2e import bench_end_to_end, markdown, run_hf_peer, run_peer, run_torch_peer
-from benchmarks.int4 import bench_int4, int4_markdown
+from benchmarks.int4 import add_peer, bench_int4, int4_markdown
 from benchmarks.kernels import bench_kernels, kernels_markdown
 from benchmarks.load import bench_load, load_markdown
 from benchmarks.plot import plot
@@ -126,7 +127,8 @@ flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Weig
 flags.DEFINE_integer("repeats", 2, "Timed repeats per row (all are reported, to show the spread).")
 flags.DEFINE_integer("max_length", None, "Static cache length (default: largest context + decode_steps + 8).")
 flags.DEFINE_list("peer", [], "Also run these peers on the e2e rows: hf (transformers on the GPU), torch (a "
-                  "gpt-fast-style PyTorch decoder: static cache, CUDA graphs, tinygemm int4); none = no peer.")
+                  "gpt-fast-style PyTorch decoder: static cache, CUDA graphs, tinygemm int4; with the int4 scenario "
+                  "also tinygemm per linear); none = no peer.")
 flags.DEFINE_list("peer_attn", ["eager", "sdpa"], "HF attn_implementation values to run with --peer hf.")
 flags.DEFINE_integer("peer_decode_steps", 32, "Tokens the HF peer decodes per timed run.")
 flags.DEFINE_boolean("xla_command_buffers", True, "CUDA graphs for while/conditional bodies, as run and server "
@@ -215,10 +217,15 @@ def _main():
         raise MiniCPMError(f"--peer: unknown {', '.join(sorted(set(peers) - {'hf', 'torch'}))} (choose from hf, torch)")
     if "hf" in peers:  # before JAX allocates GPU memory
         result["peer"] = run_hf_peer(FLAGS.shape, contexts, FLAGS.peer_decode_steps, FLAGS.peer_attn, FLAGS.repeats)
-    if "torch" in peers:
+    if "torch" in peers and "e2e" in FLAGS.scenarios:
         quants = [q for q in FLAGS.quants if q in ("none", "int4")]
         result["torch_peer"] = run_torch_peer(FLAGS.shape, contexts, FLAGS.peer_decode_steps, quants, FLAGS.repeats,
                                               FLAGS.quant_group_size)
+    if "torch" in peers and "int4" in FLAGS.scenarios:
+        ms = ",".join(map(str, _int_list("int4_ms", FLAGS.int4_ms)))
+        result["torch_linears"] = run_peer("benchmarks.torch_peer", [
+            "--shape", FLAGS.shape, "--linears_ms", ms, "--group_size", str(FLAGS.quant_group_size),
+            "--repeats", str(FLAGS.repeats)])
     device = jax.devices()[0].device_kind
     result.update(device=device, jax=jax.__version__)
     tables = []
@@ -227,7 +234,7 @@ def _main():
         small = jax.default_backend() == "cpu"  # CPU numbers are for smoke runs only
         jax_copy = copy_bandwidth(256 * 1024**2 if small else 2 * 1024**3)
         jax_flops = matmul_flops(1024 if small else 8192)
-        torch_ceilings = {} if small else torch_rooflines(result.get("torch_peer"))
+        torch_ceilings = {} if small else torch_rooflines(result.get("torch_peer") or result.get("torch_linears"))
         # Each roofline is the fastest measured here, by XLA or by PyTorch: a row that beats it is wrong.
         bandwidth, copy_source = max((jax_copy, "XLA copy"), (torch_ceilings.get("copy_bandwidth_Bps", 0.0), "torch copy_"))
         flops, matmul_source = max((jax_flops, "XLA dot"), (torch_ceilings.get("matmul_flops", 0.0), "torch.mm"))
@@ -247,6 +254,8 @@ def _main():
         config = ModelConfig.from_dict(SHAPES[FLAGS.shape])
         result["int4"] = bench_int4(config, _int_list("int4_ms", FLAGS.int4_ms), quant_spec.group_size, FLAGS.repeats,
                                     kernels=tuple(FLAGS.int4_kernels))
+        if "torch_linears" in result:
+            add_peer(result["int4"], result["torch_linears"]["linears"])
         tables.append(int4_markdown(result["int4"], bandwidth))
     if "sparse" in FLAGS.scenarios:
         config = ModelConfig.from_dict(SHAPES[FLAGS.shape])

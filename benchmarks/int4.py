@@ -1,5 +1,7 @@
 """The ``int4`` scenario of ``python -m benchmarks``: the W4A16 dequant-GEMM on a model's linear
-shapes, against bf16 ``jnp.dot`` (cuBLAS) and the copy-bandwidth ceiling measured in the same run.
+shapes, against bf16 ``jnp.dot`` (cuBLAS) and the copy-bandwidth ceiling measured in the same run, and
+with ``--peer torch`` against PyTorch's tinygemm int4 kernel on the same shapes (``benchmarks.torch_peer
+--linears_ms``, run before JAX takes the GPU).
 
 Each timed call multiplies by several copies of the weight (more bytes than the 50 MB L2), so weights
 come from HBM as they do in a decode step. Bandwidth counts int4 codes + scales (+ zeros) + x + y.
@@ -105,13 +107,29 @@ def bench_int4(config: ModelConfig, ms: list[int], group_size: int, repeats: int
     return {"group_size": group_size, "rows": rows}
 
 
+PEER = "tinygemm"  # the torch peer's column: torch.ops.aten._weight_int4pack_mm
+
+
+def add_peer(result: dict, linears: list[dict]) -> None:
+    """Adds the torch peer's tinygemm times (``benchmarks.torch_peer --linears_ms``, same shapes, rows and
+    group size) to :func:`bench_int4`'s rows as ``seconds["tinygemm"]``."""
+    peer = {(p["name"], p["m"], p["group_size"]): p["seconds"] for p in linears}
+    for row in result["rows"]:
+        key = (row["name"], row["m"], result["group_size"])
+        if key in peer:
+            row["seconds"][PEER] = peer[key]
+
+
 def int4_markdown(r: dict, bandwidth: float) -> str:
-    """Table: µs per call, int4 GB/s and % of copy bandwidth, speed-up over bf16."""
+    """Table: µs per call, int4 GB/s and % of copy bandwidth, speed-up over bf16 (and, with the torch peer's
+    tinygemm times, the int4 kernel's speed-up over tinygemm)."""
     names = sorted({n for row in r["rows"] for n in row["seconds"]} - {"bf16"})
-    head = ("| linear | M | K×N | bf16 µs (% BW) | " + " | ".join(f"{n} µs (% BW, × bf16)" for n in names) + " |")
+    peer = PEER in names and "int4_kpacked" in names
+    head = ("| linear | M | K×N | bf16 µs (% BW) | " + " | ".join(f"{n} µs (% BW, × bf16)" for n in names)
+            + (" | int4_kpacked × tinygemm" if peer else "") + " |")
     lines = [f"int4 dequant-GEMM, group {r['group_size']}, copy bandwidth {bandwidth / 1e12:.2f} TB/s "
              "(% BW counts int4 codes + scales + x + y; bf16 counts its weight + x + y)", "", head,
-             "|" + "---|" * (3 + 1 + len(names))]
+             "|" + "---|" * (3 + 1 + len(names) + peer)]
     for row in r["rows"]:
         secs = row["seconds"]
 
@@ -127,5 +145,9 @@ def int4_markdown(r: dict, bandwidth: float) -> str:
 
         io = row["io_bytes"]
         cells = [cell("bf16", row["bf16_bytes"] + io)] + [cell(n, row["int4_bytes"] + io) for n in names]
+        if peer:
+            ours, theirs = secs.get("int4_kpacked"), secs.get(PEER)
+            both = isinstance(ours, list) and isinstance(theirs, list)
+            cells.append(f"{statistics.median(theirs) / statistics.median(ours):.2f}×" if both else "—")
         lines.append(f"| {row['name']} | {row['m']} | {row['k']}×{row['n']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

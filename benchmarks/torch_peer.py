@@ -5,7 +5,8 @@ on the device, written the way gpt-fast writes it (a small Llama decoder, a stat
 
 Runs in its own process, before JAX takes the GPU: ``python -m benchmarks.torch_peer --shape minicpm4-8b
 --contexts 1024 --quants none,int4`` prints one JSON object on its last line (without a GPU it runs on the
-CPU, uncompiled: smoke tests only).
+CPU, uncompiled: smoke tests only). ``--linears_ms 1,16`` times tinygemm on each decoder linear instead
+(:func:`bench_linears`, the ``int4`` scenario's peer).
 
 The decoder is the Llama architecture of the named shape with random weights (MiniCPM4's scalar
 multipliers cost nothing measurable, as for the HF peer), in Hugging Face's weight layout and RoPE
@@ -213,6 +214,61 @@ def bench_torch(shape: dict, contexts: list[int], decode_steps: int, quants: lis
     return rows
 
 
+L2_BYTES = 50 * 1024**2  # as benchmarks.int4: every timed pass reads more weight bytes than the L2 holds
+ITER_BYTES = 2e10  # int4 weight bytes per timed run
+
+
+def bench_linears(shape: dict, ms: list[int], group_size: int, repeats: int, device: str = "cuda") -> list[dict]:
+    """Seconds per call of tinygemm (:class:`Int4Linear`, bf16 activations) on each decoder linear of ``shape``
+    (``benchmarks.shapes.linear_shapes``: qkv, o, gate_up, down) at each row count in ``ms``, timed the way
+    ``benchmarks.int4`` times ours: a pass over several distinct weights (more bytes than the L2), repeated;
+    on a GPU the pass is one CUDA graph (gpt-fast's step runs in graphs too), replayed. One warm-up run, then
+    ``repeats`` timed runs. On a CPU (the ``_for_cpu`` twin, a plain loop): smoke values only."""
+    from benchmarks.shapes import linear_shapes
+    from minicpm_jax.config import ModelConfig
+
+    gpu = device == "cuda"
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    torch.manual_seed(0)
+    rows = []
+    for name, (k, n) in linear_shapes(ModelConfig.from_dict(shape)).items():
+        int4_bytes = k * n // 2 + (k // group_size) * n * 2
+        copies = max(4, min(32, -(-2 * L2_BYTES // int4_bytes))) if gpu else 2
+        with torch.device(device):
+            linears = [Int4Linear((torch.randn(n, k) * 0.02).to(torch.bfloat16), group_size) for _ in range(copies)]
+        iters = max(10, min(400, int(ITER_BYTES // (int4_bytes * copies)))) if gpu else 2
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            with torch.inference_mode():
+                run = lambda: [lin(x) for lin in linears]  # noqa: E731
+                if gpu:  # captured after a warm-up on a side stream, as torch.cuda.graphs requires
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        run()
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        run()
+                    run = graph.replay
+                times = []
+                for rep in range(repeats + 1):
+                    sync()
+                    t = time.perf_counter()
+                    for _ in range(iters):
+                        run()
+                    sync()
+                    if rep:
+                        times.append((time.perf_counter() - t) / (iters * copies))
+            row = {"name": name, "k": k, "n": n, "m": m, "group_size": group_size, "copies": copies, "seconds": times}
+            print(f"  tinygemm {name} m={m}: {row}", file=sys.stderr, flush=True)
+            rows.append(row)
+        linears = []  # this shape's weights freed before the next shape's
+        if gpu:
+            torch.cuda.empty_cache()
+    return rows
+
+
 def copy_bandwidth(device: str = "cuda", nbytes: int = 2 * 1024**3, repeats: int = 10) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write counted): the median of ``repeats`` timed
     ``dst.copy_(src)`` of ``nbytes`` bf16 (PyTorch's vectorised copy kernel, which on an H100 streams
@@ -267,6 +323,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="torch.compile mode of the decode step, or none (auto: reduce-overhead on cuda, none on cpu)")
     p.add_argument("--rooflines_only", action="store_true",
                    help="only measure the copy bandwidth and the bf16 matmul (no decoder rows)")
+    p.add_argument("--linears_ms", default="",
+                   help="time tinygemm on each decoder linear at these row counts (e.g. 1,16) instead of the "
+                        "decoder rows (the int4 scenario's peer)")
     a = p.parse_args(argv)
     if a.device == "auto":
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -275,16 +334,25 @@ def main(argv: list[str] | None = None) -> dict:
     quants = [q for q in a.quants.split(",") if q]
     if set(quants) - {"none", "int4"}:
         p.error(f"--quants takes none and int4, got {a.quants}")
+    try:
+        linears_ms = [int(m) for m in a.linears_ms.split(",") if m]
+    except ValueError:
+        p.error(f"--linears_ms takes row counts like 1,16, got {a.linears_ms}")
+    if any(m < 1 for m in linears_ms):
+        p.error(f"--linears_ms takes positive row counts, got {a.linears_ms}")
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("the torch peer needs a CUDA GPU (torch sees none)")
     # The ceilings first, while the GPU holds nothing else (a CPU's are smoke values).
     gpu = a.device == "cuda"
     bandwidth = copy_bandwidth(a.device, 2 * 1024**3 if gpu else 64 * 1024**2)
     flops = matmul_flops(a.device, 8192 if gpu else 256)
-    rows = [] if a.rooflines_only else bench_torch(SHAPES[a.shape], [int(c) for c in a.contexts.split(",")],
-                                              a.decode_steps, quants, a.repeats, a.device, a.compile, a.group_size)
+    decoder = not (a.rooflines_only or linears_ms)
+    rows = bench_torch(SHAPES[a.shape], [int(c) for c in a.contexts.split(",")], a.decode_steps, quants, a.repeats,
+                       a.device, a.compile, a.group_size) if decoder else []
     out = {"torch": torch.__version__, "device": a.device, "compile": a.compile, "copy_bandwidth_Bps": bandwidth,
            "matmul_flops": flops, "rows": rows}
+    if linears_ms and not a.rooflines_only:
+        out["linears"] = bench_linears(SHAPES[a.shape], linears_ms, a.group_size, a.repeats, a.device)
     print(json.dumps(out))
     return out
 

@@ -144,8 +144,9 @@ def test_bench_smoke_on_cpu(tmp_path):
 
 
 def test_bench_int4_smoke_on_cpu(tmp_path):
-    """The int4 scenario times the dequant-GEMM per linear shape; e2e runs dense and int4 rows side by side,
-    each with the torch peer's row of the same weights (``--peer torch``, here on the CPU, uncompiled)."""
+    """The int4 scenario times the dequant-GEMM per linear shape (and the torch peer's tinygemm on the same
+    shapes); e2e runs dense and int4 rows side by side, each with the torch peer's row of the same weights
+    (``--peer torch``, here on the CPU, uncompiled)."""
     out = tmp_path / "bench.json"
     r = _bench("--scenarios", "int4,e2e", "--shape", "minicpm4-tiny", "--contexts", "24", "--attention_impls", "xla",
                "--quants", "none,int4", "--quant_group_size", "64", "--int4_ms", "1",
@@ -161,6 +162,13 @@ def test_bench_int4_smoke_on_cpu(tmp_path):
         assert row["seconds"]["bf16"][0] > 0 and row["seconds"]["int4_kpacked"][0] > 0
         assert row["seconds"]["int4_kpacked_tile"][0] > 0 and row["config"]["kernel"] == "planes"
     assert "int4_kpacked_tile µs" in r.stdout
+    # --peer torch with the int4 scenario: tinygemm on the same linears (group 64, one row), and our speed-up
+    assert all(row["seconds"]["tinygemm"][0] > 0 for row in rows)
+    assert [(p["name"], p["m"], p["group_size"]) for p in result["torch_linears"]["linears"]] == [
+        (row["name"], 1, 64) for row in rows]
+    assert "| int4_kpacked × tinygemm |" in r.stdout and "tinygemm µs (% BW, × bf16)" in r.stdout
+    speedups = [line.rsplit("|", 2)[-2].strip() for line in r.stdout.splitlines() if line.startswith("| qkv | 1 |")]
+    assert len(speedups) == 1 and speedups[0].endswith("×") and float(speedups[0][:-1]) > 0
     assert "| minicpm4-tiny | xla | int4 g64 | off | 1 | contiguous | 1 | 24 |" in r.stdout and "int4 dequant-GEMM, group 64" in r.stdout
     peer = result["torch_peer"]
     assert peer["device"] == "cpu" and [(p["quant"], p["context"]) for p in peer["rows"]] == [("none", 24), ("int4", 24)]

@@ -62,3 +62,21 @@ def test_rooflines_only_measures_the_ceilings_and_no_rows(capsys):
     copy bandwidth and matmul FLOP/s, and no decoder rows."""
     out = torch_peer.main(["--rooflines_only", "--device", "cpu"])
     assert out["rows"] == [] and out["copy_bandwidth_Bps"] > 0 and out["matmul_flops"] > 0
+
+
+def test_linears_time_tinygemm_on_every_decoder_linear(capsys):
+    """``--linears_ms`` (the int4 scenario's peer): tinygemm on each decoder linear shape at each row count,
+    instead of the decoder rows; a bad row list is refused."""
+    from benchmarks.shapes import linear_shapes
+
+    out = torch_peer.main(["--shape", "minicpm4-tiny", "--linears_ms", "1,3", "--group_size", "64", "--repeats", "1",
+                           "--device", "cpu"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == out and out["rows"] == []
+    shapes = linear_shapes(ModelConfig.from_dict(SHAPES["minicpm4-tiny"]))
+    assert [(r["name"], r["m"]) for r in out["linears"]] == [(n, m) for n in shapes for m in (1, 3)]
+    for r in out["linears"]:
+        assert (r["k"], r["n"]) == shapes[r["name"]] and r["group_size"] == 64
+        assert len(r["seconds"]) == 1 and r["seconds"][0] > 0
+    with pytest.raises(SystemExit):
+        torch_peer.main(["--linears_ms", "1,x", "--device", "cpu"])
+    assert "--linears_ms takes row counts" in capsys.readouterr().err
