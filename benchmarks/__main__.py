@@ -254,6 +254,7 @@ def _main():
         config = ModelConfig.from_dict(SHAPES[FLAGS.shape])
         result["int4"] = bench_int4(config, _int_list("int4_ms", FLAGS.int4_ms), quant_spec.group_size, FLAGS.repeats,
                                     kernels=tuple(FLAGS.int4_kernels))
+        result["int4"]["xla_command_buffers"] = FLAGS.xla_command_buffers
         if "torch_linears" in result:
             add_peer(result["int4"], result["torch_linears"]["linears"])
         tables.append(int4_markdown(result["int4"], bandwidth))

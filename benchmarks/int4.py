@@ -127,7 +127,11 @@ def int4_markdown(r: dict, bandwidth: float) -> str:
     peer = PEER in names and "int4_kpacked" in names
     head = ("| linear | M | K×N | bf16 µs (% BW) | " + " | ".join(f"{n} µs (% BW, × bf16)" for n in names)
             + (" | int4_kpacked × tinygemm" if peer else "") + " |")
-    lines = [f"int4 dequant-GEMM, group {r['group_size']}, copy bandwidth {bandwidth / 1e12:.2f} TB/s "
+    # The timed loops run inside XLA's command buffers when they are on, which adds ~1 us to a one-row call of a
+    # 4096 x 4608 linear (H200, 2026-11-29), so the title says which.
+    on = r.get("xla_command_buffers")
+    buffers = "" if on is None else f", XLA command buffers {'on' if on else 'off'}"
+    lines = [f"int4 dequant-GEMM, group {r['group_size']}, copy bandwidth {bandwidth / 1e12:.2f} TB/s{buffers} "
              "(% BW counts int4 codes + scales + x + y; bf16 counts its weight + x + y)", "", head,
              "|" + "---|" * (3 + 1 + len(names) + peer)]
     for row in r["rows"]:

@@ -167,6 +167,7 @@ def test_bench_int4_smoke_on_cpu(tmp_path):
     assert [(p["name"], p["m"], p["group_size"]) for p in result["torch_linears"]["linears"]] == [
         (row["name"], 1, 64) for row in rows]
     assert "| int4_kpacked × tinygemm |" in r.stdout and "tinygemm µs (% BW, × bf16)" in r.stdout
+    assert result["int4"]["xla_command_buffers"] is True and "XLA command buffers on" in r.stdout
     speedups = [line.rsplit("|", 2)[-2].strip() for line in r.stdout.splitlines() if line.startswith("| qkv | 1 |")]
     assert len(speedups) == 1 and speedups[0].endswith("×") and float(speedups[0][:-1]) > 0
     assert "| minicpm4-tiny | xla | int4 g64 | off | 1 | contiguous | 1 | 24 |" in r.stdout and "int4 dequant-GEMM, group 64" in r.stdout
