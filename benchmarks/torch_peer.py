@@ -223,7 +223,8 @@ def bench_linears(shape: dict, ms: list[int], group_size: int, repeats: int, dev
     (``benchmarks.shapes.linear_shapes``: qkv, o, gate_up, down) at each row count in ``ms``, timed the way
     ``benchmarks.int4`` times ours: a pass over several distinct weights (more bytes than the L2), repeated;
     on a GPU the pass is one CUDA graph (gpt-fast's step runs in graphs too), replayed. One warm-up run, then
-    ``repeats`` timed runs. On a CPU (the ``_for_cpu`` twin, a plain loop): smoke values only."""
+    ``repeats`` timed runs. On a CPU (the ``_for_cpu`` twin, a plain loop): smoke values only. A shape
+    tinygemm cannot take gets its error as ``seconds``."""
     from benchmarks.shapes import linear_shapes
     from minicpm_jax.config import ModelConfig
 
@@ -234,8 +235,14 @@ def bench_linears(shape: dict, ms: list[int], group_size: int, repeats: int, dev
     for name, (k, n) in linear_shapes(ModelConfig.from_dict(shape)).items():
         int4_bytes = k * n // 2 + (k // group_size) * n * 2
         copies = max(4, min(32, -(-2 * L2_BYTES // int4_bytes))) if gpu else 2
-        with torch.device(device):
-            linears = [Int4Linear((torch.randn(n, k) * 0.02).to(torch.bfloat16), group_size) for _ in range(copies)]
+        try:
+            with torch.device(device):
+                linears = [Int4Linear((torch.randn(n, k) * 0.02).to(torch.bfloat16), group_size)
+                           for _ in range(copies)]
+        except ValueError as e:  # a shape tinygemm cannot pack (K not a multiple of 128): a row that says so
+            rows += [{"name": name, "k": k, "n": n, "m": m, "group_size": group_size, "seconds": f"ValueError: {e}"}
+                     for m in ms]
+            continue
         iters = max(10, min(400, int(ITER_BYTES // (int4_bytes * copies)))) if gpu else 2
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)

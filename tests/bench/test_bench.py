@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from benchmarks.int4 import add_peer, int4_markdown
 from benchmarks.spec import oracle_accept
 from benchmarks.timing import (
     carried_loop, carried_loop_time, device_loop, device_loop_time, gpu_timeline, kernel_seconds, loop_kernel_time,
@@ -141,6 +142,21 @@ def test_bench_smoke_on_cpu(tmp_path):
     paged = [line for line in r.stdout.splitlines() if "| paged |" in line]
     assert len(paged) == 2 and all(line.split(" | ")[14].endswith("x") for line in paged)  # vs contiguous
     assert png.stat().st_size > 1000
+
+
+def test_int4_table_takes_the_peer_rows_it_matches():
+    """``add_peer`` puts tinygemm's times on the rows of the same linear, row count and group only; the table's
+    speed-up is tinygemm's median over ours, and a peer error shows as such."""
+    row = lambda name, m: {"name": name, "m": m, "k": 256, "n": 512, "int4_bytes": 65536 + 4096, "bf16_bytes": 262144,
+                           "io_bytes": 2048, "seconds": {"bf16": [4e-6], "int4_kpacked": [2e-6, 3e-6, 2e-6]}}
+    result = {"group_size": 64, "rows": [row("qkv", 1), row("qkv", 16), row("o", 1)], "xla_command_buffers": False}
+    add_peer(result, [{"name": "qkv", "m": 1, "group_size": 64, "seconds": [5e-6]},
+                      {"name": "qkv", "m": 16, "group_size": 128, "seconds": [9e-6]},  # another group: not ours
+                      {"name": "o", "m": 1, "group_size": 64, "seconds": "ValueError: int4 needs K ..."}])
+    assert [r["seconds"].get("tinygemm") for r in result["rows"]] == [[5e-6], None, "ValueError: int4 needs K ..."]
+    table = int4_markdown(result, 1e12).splitlines()
+    assert "XLA command buffers off" in table[0] and table[2].endswith("| int4_kpacked × tinygemm |")
+    assert table[4].endswith("| 2.50× |") and table[5].endswith("| — | — |") and table[6].endswith("| error | — |")
 
 
 def test_bench_int4_smoke_on_cpu(tmp_path):

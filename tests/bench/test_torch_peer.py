@@ -77,6 +77,11 @@ def test_linears_time_tinygemm_on_every_decoder_linear(capsys):
     for r in out["linears"]:
         assert (r["k"], r["n"]) == shapes[r["name"]] and r["group_size"] == 64
         assert len(r["seconds"]) == 1 and r["seconds"][0] > 0
+    # SmolLM2's 576-wide inputs do not fit tinygemm's packing (K a multiple of 128): those rows carry the error
+    rows = torch_peer.bench_linears(SHAPES["smollm2-135m"], [1], 64, 1, "cpu")
+    assert [(r["name"], isinstance(r["seconds"], str)) for r in rows] == [
+        ("qkv", True), ("o", True), ("gate_up", True), ("down", False)]
+    assert "int4 needs K a multiple of 64 and 128" in rows[0]["seconds"] and rows[3]["seconds"][0] > 0
     with pytest.raises(SystemExit):
         torch_peer.main(["--linears_ms", "1,x", "--device", "cpu"])
     assert "--linears_ms takes row counts" in capsys.readouterr().err
