@@ -137,6 +137,23 @@ def np_compress(k: np.ndarray, kernel: int, stride: int) -> np.ndarray:
     return np.stack([k[..., stride * j: stride * j + kernel, :].mean(-2) for j in range(n)], axis=-2)
 
 
+def np_compress_step(k, k1, k2, old, new, *, layer: int, kernel1: int, stride1: int, kernel2: int,
+                     stride2: int) -> list[np.ndarray]:
+    """The compressed-key update of one decode step: for each row that grew (``new[b] > old[b]``, by one
+    token) and each of (k1, k2), the window the step completed, ``j = (new - kernel) / stride`` when that is
+    whole, gets the mean of its keys in ``layer``. k ``[L, B, KVH, S, D]``; returns float64 (k1, k2)."""
+    k = np.asarray(k, np.float64)
+    out = []
+    for comp, kernel, stride in ((k1, kernel1, stride1), (k2, kernel2, stride2)):
+        comp = np.array(np.asarray(comp, np.float64))
+        for b in range(k.shape[1]):
+            start = int(new[b]) - kernel
+            if new[b] > old[b] and start >= 0 and start % stride == 0:
+                comp[layer, b, :, start // stride] = k[layer, b, :, start:start + kernel].mean(-2)
+        out.append(comp)
+    return out
+
+
 # ----------------------------------------------------------------------------- GPTQ int4 formats
 def pack_rows_oracle(q: np.ndarray) -> np.ndarray:
     """GPTQ qweight: word [k//8, n] holds row k at bits 4·(k%8)."""

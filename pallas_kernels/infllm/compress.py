@@ -1,6 +1,6 @@
 """InfLLM-v2's compressed keys: ``K1[j] = mean(K[s*j : s*j + k])`` over complete windows (and ``K2`` the
 same with the coarse window), appended as a sequence grows; a jnp reference for any number of new
-tokens (and a plain one for one decode step), and a Pallas kernel for a few new tokens (a decode step, a
+tokens, and a Pallas kernel for a few new tokens (a decode step, a
 speculative round's accepted path; one layer or all of them in one launch), for the contiguous cache and
 for a paged pool (:mod:`pallas_kernels.infllm.paged`).
 
@@ -66,29 +66,6 @@ def compress_windows_reference(
             capacity=k.shape[3], max_tokens=max_tokens, unrotate=unrotate, dtype=comp.dtype)
         slot = jnp.where(done, j, comp.shape[3])  # out of range -> dropped
         out.append(comp.at[layer, rows, :, slot].set(means, mode="drop"))
-    return out[0], out[1]
-
-
-def compress_step_reference(
-    k: jax.Array, k1: jax.Array, k2: jax.Array, old_lengths: jax.Array, new_lengths: jax.Array, *, layer: int,
-    kernel1: int, stride1: int, kernel2: int, stride2: int,
-) -> tuple[jax.Array, jax.Array]:
-    """The compressed-key update of one decode step in plain jnp: for each row that grew
-    (``new_lengths[b] > old_lengths[b]``, by one token) and each cache, if the step completed window
-    ``j = (new - kernel) / stride``, ``comp[layer, b, :, j] = mean(k[layer, b, :, new-kernel:new])``
-    (fp32 mean, stored in the cache dtype). k ``[L, B, KVH, S, D]``, k1/k2 ``[L, B, KVH, N, D]``; returns
-    the updated (k1, k2)."""
-    b, s = k.shape[1], k.shape[3]
-    rows = jnp.arange(b)
-    out = []
-    for comp, kernel, stride in ((k1, kernel1, stride1), (k2, kernel2, stride2)):
-        start = new_lengths - kernel
-        ok = (new_lengths > old_lengths) & (start >= 0) & (start % stride == 0)
-        pos = jnp.clip(start[:, None] + jnp.arange(kernel, dtype=jnp.int32), 0, s - 1)
-        keys = k[layer, rows[:, None], :, pos]  # [B, kernel, KVH, D]
-        mean = jnp.mean(keys.astype(jnp.float32), axis=1).astype(comp.dtype)
-        slot = jnp.where(ok, start // stride, comp.shape[3])
-        out.append(comp.at[layer, rows, :, slot].set(mean, mode="drop"))
     return out[0], out[1]
 
 
