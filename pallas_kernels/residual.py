@@ -15,6 +15,14 @@ reduction the add and the norm stay XLA's: a Pallas add + norm was measured slow
 twenty-seventh session): XLA fuses the preceding GEMM's split-K reduction into the add, which a custom call
 cannot absorb.
 
+**The message's dtype.** Partial sums are added across devices in fp32 up to :data:`WIDE_MESSAGE` elements
+(decode steps, verify trees, batches of up to 64 rows of 4,096: the peer kernel's messages). A larger message —
+a prefill chunk — is rounded to the residual's dtype first and reduced in it, as vLLM, SGLang and gpt-fast
+reduce every message: it halves the bytes XLA's all-reduce moves, which was the only part of a 32K-token
+prefill that did not scale over 2 GPUs (151 of 896 ms of kernels a GPU; bf16: 84 ms, prefill 1.60× → 1.72× the
+one-GPU speed, 2× H200, 2026-11-29). The cost is one more rounding of each device's share (at 2 devices,
+``round(round(a) + round(b))`` where fp32 gives ``round(a + b)``); a model in fp32 is unchanged.
+
 Shapes: ``partial [..., H]`` (fp32 when it is a partial sum over devices, else the residual's dtype),
 ``residual [..., H]`` (the activation dtype), ``weight [H]``; results in the residual's dtype.
 """
@@ -27,13 +35,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.peer_all_reduce import PeerWorkspace, fits, fits_rows, peer_all_reduce, peer_all_reduce_add_norm
+from pallas_kernels.peer_all_reduce import (MAX_ELEMENTS, PeerWorkspace, fits, fits_rows, peer_all_reduce,
+                                            peer_all_reduce_add_norm)
 
 # Rows up to which residual_add_norm takes the fused kernel. Measured end to end on 2x H200 (MiniCPM4-8B shape,
 # TP 2, 2026-11-28): one row (batch-1 decode) gained (3.398 -> 3.252 ms/token), 16 rows lost (3.867 -> 4.058).
 # Rows in between have no end-to-end row (a chained-call probe's ~20 us of overhead a call hid the kernels'
 # few), so they keep the plain all-reduce + XLA's add and norm.
 FUSED_ROWS = 1
+# Elements of a device's message above which it is reduced in the residual's dtype (the module docstring):
+# the peer kernel's largest message, so every message the kernel takes stays fp32.
+WIDE_MESSAGE = MAX_ELEMENTS
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -51,10 +63,17 @@ def _add(total: jax.Array, residual: jax.Array, scale: float) -> jax.Array:
 def residual_add_reference(partial: jax.Array, residual: jax.Array, scale: float, *,
                            axis_name: Hashable | None = None, peers: PeerWorkspace | None = None) -> jax.Array:
     """``residual + sum(partial) * scale``: ``partial`` summed over the devices of mesh axis ``axis_name``
-    (None: it is the whole output already; ``lax.psum``), rounded to the residual's dtype, then scaled and
-    added. ``peers`` (the axis' peer-memory workspace) does not change the result: the reference ignores it."""
+    (None: it is the whole output already; ``lax.psum`` of the message, in fp32 up to :data:`WIDE_MESSAGE`
+    elements, else in the residual's dtype), rounded to the residual's dtype, then scaled and added. ``peers``
+    (the axis' peer-memory workspace) does not change the result: the reference ignores it."""
     del peers
-    return _add(partial if axis_name is None else lax.psum(partial, axis_name), residual, scale)
+    return _add(partial if axis_name is None else lax.psum(_message(partial, residual), axis_name), residual, scale)
+
+
+def _message(partial: jax.Array, residual: jax.Array) -> jax.Array:
+    """What a device sends to the all-reduce: ``partial`` itself, or rounded to the residual's dtype when it
+    has more than :data:`WIDE_MESSAGE` elements (a prefill chunk's)."""
+    return partial.astype(residual.dtype) if partial.size > WIDE_MESSAGE else partial
 
 
 def residual_add_norm_reference(partial: jax.Array, residual: jax.Array, scale: float, weight: jax.Array, *,
@@ -66,19 +85,21 @@ def residual_add_norm_reference(partial: jax.Array, residual: jax.Array, scale: 
     return h, rms_norm(h, weight, eps)
 
 
-def _reduce(partial: jax.Array, axis_name: Hashable | None, peers: PeerWorkspace | None) -> jax.Array:
+def _reduce(partial: jax.Array, residual: jax.Array, axis_name: Hashable | None,
+            peers: PeerWorkspace | None) -> jax.Array:
     if axis_name is None:
         return partial
     if fits(partial, peers):
         return peer_all_reduce(partial, peers, axis_name)
-    return lax.psum(partial, axis_name)  # no workspace, or a prefill chunk's message: XLA's collective
+    # No workspace, or a prefill chunk's message: XLA's collective, on the message the reference sends.
+    return lax.psum(_message(partial, residual), axis_name)
 
 
 def residual_add(partial: jax.Array, residual: jax.Array, scale: float, *, axis_name: Hashable | None = None,
                  peers: PeerWorkspace | None = None) -> jax.Array:
     """:func:`residual_add_reference`, reduced through the peer-memory kernel when ``peers`` is given and the
     message fits (:func:`~pallas_kernels.peer_all_reduce.fits`), else through ``lax.psum``."""
-    return _add(_reduce(partial, axis_name, peers), residual, scale)
+    return _add(_reduce(partial, residual, axis_name, peers), residual, scale)
 
 
 def residual_add_norm(partial: jax.Array, residual: jax.Array, scale: float, weight: jax.Array, *, eps: float,

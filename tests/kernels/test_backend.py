@@ -110,3 +110,30 @@ def test_residual_ops_reduce_partial_sums_then_add_and_normalise(devices):
         want = hf / np.sqrt(np.mean(hf * hf, axis=-1, keepdims=True) + eps) * np.asarray(weight, np.float32)
         np.testing.assert_allclose(np.asarray(normed, np.float32), want, rtol=2e-2, atol=2e-2)
         assert h.dtype == normed.dtype == jnp.bfloat16
+
+
+def test_a_wide_message_is_reduced_in_the_residuals_dtype():
+    """A message of more than ``WIDE_MESSAGE`` elements (a prefill chunk's) is rounded to the residual's bf16
+    on each device and summed in bf16, in both backends; one at the limit is summed in fp32. NumPy
+    re-derivation at 2 devices, where a bf16 sum of two bf16 values is the rounded fp32 sum."""
+    import jax
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from pallas_kernels.residual import WIDE_MESSAGE
+
+    width = 256
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    rng = np.random.default_rng(5)
+    bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16), np.float32)  # noqa: E731
+    for rows, wide in ((WIDE_MESSAGE // width, False), (WIDE_MESSAGE // width + 1, True)):
+        parts = (rng.standard_normal((2, rows, width)) * 3).astype(np.float32)
+        residual = jnp.asarray(rng.standard_normal((rows, width)), jnp.bfloat16)
+        total = bf16(bf16(parts[0]) + bf16(parts[1])) if wide else bf16(parts.sum(0))
+        want = np.asarray(xla.residual_add(jnp.asarray(total), residual, 1.0))  # the scale keeps the sum
+        for ns in (xla, triton):
+            run = lambda p, r: ns.residual_add(p[0], r, 1.0, axis_name="tp")  # noqa: E731
+            got = jax.shard_map(run, mesh=mesh, in_specs=(P("tp"), P()), out_specs=P(),
+                                check_vma=False)(jnp.asarray(parts), residual)
+            np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{ns.__name__}, {rows} rows")
+        # The two roundings are visible: the fp32 sum, rounded once, differs somewhere.
+        assert (bf16(bf16(parts[0]) + bf16(parts[1])) != bf16(parts.sum(0))).any()

@@ -34,8 +34,8 @@ CONFIG = ModelConfig.from_dict(helpers.tiny_minicpm_config(intermediate_size=256
 PROMPTS = [list(np.random.default_rng(i).integers(3, 97, n)) for i, n in enumerate((70, 9, 41, 1))]
 
 
-def _model(mode: str, dtype):
-    model = MiniCPMForCausalLM(CONFIG, max_length=128, attention_impl="pallas", dtype=dtype, rngs=nnx.Rngs(0),
+def _model(mode: str, dtype, max_length: int = 128):
+    model = MiniCPMForCausalLM(CONFIG, max_length=max_length, attention_impl="pallas", dtype=dtype, rngs=nnx.Rngs(0),
                                sparse=SMALL if mode == "sparse" else "off")
     # A sharp embedding → lm_head path: greedy tokens have wide margins, so bf16 rounding cannot flip them.
     model.model.embed_tokens.embedding.set_value(model.model.embed_tokens.embedding[...] * 40.0)
@@ -80,6 +80,27 @@ def test_split_over_gpus_equals_one_gpu(mode, dtype, peer):
     want_logits, want_tokens = _run(one, draft)
     got_logits, got_tokens = _run(_split(one, peer), draft)
     assert helpers.rel_err(got_logits, want_logits) < (1e-5 if dtype == jnp.float32 else 1e-2)
+    assert got_tokens == want_tokens
+
+
+def test_a_wide_prefill_chunk_reduced_in_bf16_keeps_one_gpus_tokens():
+    """A bf16 prefill chunk whose messages exceed ``WIDE_MESSAGE`` elements is all-reduced in bf16 (NCCL,
+    ``pallas_kernels.residual``): the split model's logits stay within bf16 rounding of one GPU's and its
+    greedy tokens are the same."""
+    from pallas_kernels.residual import WIDE_MESSAGE
+
+    prompt = [list(np.random.default_rng(7).integers(3, 97, WIDE_MESSAGE // CONFIG.hidden_size + 40))]
+    one = _model("dense", jnp.bfloat16, max_length=len(prompt[0]) + 40)
+
+    def run(model):
+        engine = Engine(model, batch_size=1, chunk_length=2048, decode_block=4)
+        logits = np.asarray(engine.prefill(prompt), np.float32)
+        engine.reset()
+        return logits, engine.generate(prompt, max_new_tokens=24)[0][0].token_ids
+
+    want_logits, want_tokens = run(one)
+    got_logits, got_tokens = run(_split(one, peer=True))
+    assert helpers.rel_err(got_logits, want_logits) < 1e-2
     assert got_tokens == want_tokens
 
 
