@@ -377,7 +377,8 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
     pairs (16-bit x): ``(magic, offset)`` of :data:`PAIR_CODES`: the codes enter the products as ``offset + q``
     (:func:`plane_pair`), and ``(z + offset)·s`` times the chunk sums of x (``xs_ref``) is subtracted."""
     z_ref = rest[0] if has_zeros else None
-    xs_ref = rest[-2] if has_zeros or pairs else None  # x's chunk sums
+    # x's chunk sums: an input of the dot modes; the one-row mode adds its planes' rows itself (below).
+    xs_ref = rest[-2] if (has_zeros or pairs) and mode != "gemv" else None
     o_ref = rest[-1]
     split = pl.program_id(2)
     chunk = 8 * rows
@@ -427,14 +428,23 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
             s = s_ref[pl.ds(g, 1), :].astype(jnp.float32)  # [1, BN]
             if mode == "dot_t":
                 s = s.reshape(block_n, 1)
+            if mode == "gemv" and (has_zeros or pairs):
+                # One row: the zero point (and the pairs' offset) times x, subtracted row by row from the
+                # chunk's [rows, BN] products before the scale: x's rows are the planes' rows summed
+                # (unscaled), so no chunk sums are computed outside (an XLA reduction and launch per linear).
+                z = z_ref[pl.ds(g, 1), :].astype(jnp.float32) if has_zeros else float(SYM_ZERO)
+                xv = None
+                for p in range(8):
+                    xp = x_ref[p, 0, pl.ds(r0, rows)]
+                    xp = xp if pairs else xp * float(2 ** PLANE_BITS[p][1])
+                    xv = xp if xv is None else xv + xp
+                t = t - (z + (pairs[1] if pairs else 0)) * xv[:, None]
             acc = acc + t * s
-            if has_zeros or pairs:
+            if (has_zeros or pairs) and mode != "gemv":
                 z = z_ref[pl.ds(g, 1), :].astype(jnp.float32) if has_zeros else float(SYM_ZERO)
                 zs = (z + (pairs[1] if pairs else 0)) * s_ref[pl.ds(g, 1), :].astype(jnp.float32)
                 c = (k0 + j * chunk) // chunk  # x sums are per chunk (a group may span several)
-                if mode == "gemv":
-                    zacc = zacc + zs * xs_ref[0, pl.ds(c, 1)][:, None]
-                elif mode == "dot":
+                if mode == "dot":
                     zacc = zacc + zs * xs_ref[:, pl.ds(c, 1)]
                 else:
                     zacc = zacc + zs.reshape(block_n, 1) * xs_ref[pl.ds(c, 1), :]
@@ -609,11 +619,11 @@ def _planes_matmul(x2, qweight, scales, zeros, perm, cfg: Int4Config, num_splits
     in_specs = [x_spec, pl.BlockSpec((k // 8, block_n), lambda i, j, s: (0, j)),
                 pl.BlockSpec((groups, block_n), lambda i, j, s: (0, j))]
     args = [_planes_x(x2, mode == "dot_t", dtype, scaled=pairs is None), qweight, scales]
-    if zeros is not None or pairs:
+    if zeros is not None:
+        in_specs.append(pl.BlockSpec((groups, block_n), lambda i, j, s: (0, j)))
+        args.append(zeros)
+    if (zeros is not None or pairs) and mode != "gemv":
         xs = x2.astype(jnp.float32).reshape(m_pad, k // chunk, chunk).sum(-1)  # [m, chunks of K]
-        if zeros is not None:
-            in_specs.append(pl.BlockSpec((groups, block_n), lambda i, j, s: (0, j)))
-            args.append(zeros)
         if mode == "dot_t":
             xs = xs.T
             in_specs.append(pl.BlockSpec((k // chunk, block_m), lambda i, j, s: (0, i)))

@@ -231,13 +231,14 @@ _PAIR_CASES = [
     pytest.param(512, 128, 128, True, False, 12, "planes_t", jnp.bfloat16, id="dot_t-bf16-m12"),
     pytest.param(512, 256, 128, False, True, 5, "planes", jnp.float16, id="dot-f16-asym-actorder"),
     pytest.param(256, 128, 64, False, False, 1, "planes", jnp.float16, id="gemv-f16-asym"),
+    pytest.param(512, 128, 128, True, False, 1, "planes", jnp.bfloat16, id="gemv-bf16-sym"),
 ]
 
 
 @pytest.mark.parametrize("k,n,gs,sym,act_order,m,kernel,dtype", _PAIR_CASES)
 def test_int4_plane_kernels_with_16_bit_x_take_code_pairs(k, n, gs, sym, act_order, m, kernel, dtype):
     """16-bit x runs the plane kernels on code pairs (``offset + q``, the offset removed through the chunk sums
-    of x): the float32 reference on the same 16-bit inputs, to float32 accumulation (the bf16 test above allows
+    of x, which the one-row kernel adds from its planes itself): the float32 reference on the same 16-bit inputs, to float32 accumulation (the bf16 test above allows
     a bf16 result's rounding, which would hide a code off by one)."""
     rng = np.random.default_rng(k + m + gs)
     w = random_weight(rng, k, n, gs, sym=sym, act_order=act_order)
