@@ -238,8 +238,9 @@ _PAIR_CASES = [
 @pytest.mark.parametrize("k,n,gs,sym,act_order,m,kernel,dtype", _PAIR_CASES)
 def test_int4_plane_kernels_with_16_bit_x_take_code_pairs(k, n, gs, sym, act_order, m, kernel, dtype):
     """16-bit x runs the plane kernels on code pairs (``offset + q``, the offset removed through the chunk sums
-    of x, which the one-row kernel adds from its planes itself): the float32 reference on the same 16-bit inputs, to float32 accumulation (the bf16 test above allows
-    a bf16 result's rounding, which would hide a code off by one)."""
+    of x, which the one-row kernel adds from its planes itself): the float32 reference on the same 16-bit
+    inputs, to float32 accumulation (the bf16 test above allows a bf16 result's rounding, which would hide a
+    code off by one)."""
     rng = np.random.default_rng(k + m + gs)
     w = random_weight(rng, k, n, gs, sym=sym, act_order=act_order)
     arrays = {name: jnp.asarray(a, dtype) if name in ("scales", "zeros") else jnp.asarray(a)
