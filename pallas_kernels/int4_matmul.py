@@ -375,7 +375,8 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
     transposed product ``q_pᵀ [BN, rows] @ x_p [rows, BM]`` (the codes as the left operand).
 
     pairs (16-bit x): ``(magic, offset)`` of :data:`PAIR_CODES`: the codes enter the products as ``offset + q``
-    (:func:`plane_pair`), and ``(z + offset)·s`` times the chunk sums of x (``xs_ref``) is subtracted."""
+    (:func:`plane_pair`), and ``(z + offset)·s`` times the chunk sums of x (``xs_ref``) is subtracted; the gemv
+    mode subtracts ``(z + offset)·x`` row by row from each chunk's products instead (no ``xs_ref``)."""
     z_ref = rest[0] if has_zeros else None
     # x's chunk sums: an input of the dot modes; the one-row mode adds its planes' rows itself (below).
     xs_ref = rest[-2] if (has_zeros or pairs) and mode != "gemv" else None

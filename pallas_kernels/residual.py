@@ -16,12 +16,13 @@ twenty-seventh session): XLA fuses the preceding GEMM's split-K reduction into t
 cannot absorb.
 
 **The message's dtype.** Partial sums are added across devices in fp32 up to :data:`WIDE_MESSAGE` elements
-(decode steps, verify trees, batches of up to 64 rows of 4,096: the peer kernel's messages). A larger message —
-a prefill chunk — is rounded to the residual's dtype first and reduced in it, as vLLM, SGLang and gpt-fast
-reduce every message: it halves the bytes XLA's all-reduce moves, which was the only part of a 32K-token
-prefill that did not scale over 2 GPUs (151 of 896 ms of kernels a GPU; bf16: 84 ms, prefill 1.62× → 1.73× the
-one-GPU speed in one call, 2× H200, 2026-11-29; BENCHMARKS.md). The cost is one more rounding of each device's
-share (at 2 devices, ``round(round(a) + round(b))`` where fp32 gives ``round(a + b)``); fp32 models are unchanged.
+(the peer kernel's messages: decode steps, verify trees, up to 64 rows of 4,096). A larger message — a prefill
+chunk, or a decode / verify batch of more rows — is rounded to the residual's dtype first and reduced in it, as
+vLLM, SGLang and gpt-fast reduce every message: it halves the bytes XLA's all-reduce moves, which was the only
+part of a 32K-token prefill that did not scale over 2 GPUs (151 of 896 ms of kernels a GPU; bf16: 84 ms,
+prefill 1.62× → 1.73× the one-GPU speed in one call, 2× H200, 2026-11-29; BENCHMARKS.md). The cost is the
+roundings (at 2 devices ``round(round(a) + round(b))`` where fp32 gives ``round(a + b)``; with more, NCCL's ring
+also rounds each partial sum on its way); fp32 models are unchanged.
 
 Shapes: ``partial [..., H]`` (fp32 when it is a partial sum over devices, else the residual's dtype),
 ``residual [..., H]`` (the activation dtype), ``weight [H]``; results in the residual's dtype.

@@ -12,16 +12,17 @@ Every decision about splitting a model lives here:
   replicated on the ``size / num_kv_heads`` devices whose query heads use it. The vocabulary is padded
   to a multiple of the size. :func:`to_layout` / :func:`from_layout` convert a checkpoint's
   (canonical) arrays.
-* **Collectives.** A step runs as one SPMD program (:func:`spmd`, ``shard_map`` over the whole step, so
-  the Pallas kernels run per shard on local blocks) whose only communication is written out in the
-  model through :class:`TensorParallel`: one all-reduce of each row-parallel sublayer's fp32 partial sums
-  at the block boundary (the decoder layer's ``residual_add`` / ``residual_add_norm`` backend ops over
-  :attr:`~TensorParallel.reduce_axis`, fused with the residual add and the next norm), one for the
-  vocab-parallel embedding lookup, and one all-gather of the logits. The sublayers' all-reduces are XLA's
-  (NCCL or its one-shot kernel) unless :func:`use_peer_all_reduce` gave the mesh a peer-memory workspace
-  (``--tp_all_reduce peer``): then the pallas backend reduces through its own kernel, which XLA keeps
-  inside the step's CUDA graph (``pallas_kernels.peer_all_reduce``). Act-order int4 row-parallel linears all-gather their input first, and
-  sparse attention with a KV head shared by several devices all-gathers the selection queries.
+* **Collectives.** A step runs as one SPMD program (:func:`spmd`, ``shard_map`` over the whole step, so the
+  Pallas kernels run per shard on local blocks) whose only communication is written out in the model through
+  :class:`TensorParallel`: one all-reduce of each row-parallel sublayer's partial sums (fp32; bf16 past 256K
+  elements: ``pallas_kernels.residual``) at the block boundary (the decoder layer's ``residual_add`` /
+  ``residual_add_norm`` backend ops over :attr:`~TensorParallel.reduce_axis`, fused with the residual add
+  and the next norm), one for the vocab-parallel embedding lookup, and one all-gather of the logits. The
+  sublayers' all-reduces are XLA's (NCCL or its one-shot kernel) unless :func:`use_peer_all_reduce` gave the
+  mesh a peer-memory workspace (``--tp_all_reduce peer``): then the pallas backend reduces through its own
+  kernel, which XLA keeps inside the step's CUDA graph (``pallas_kernels.peer_all_reduce``). Act-order int4
+  row-parallel linears all-gather their input first, and sparse attention with a KV head shared by several
+  devices all-gathers the selection queries.
 
 A model without a mesh runs exactly the single-device program (size 1, no ``shard_map``).
 """

@@ -5,6 +5,7 @@ was built with."""
 from __future__ import annotations
 
 import inspect
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -132,8 +133,12 @@ def test_a_wide_message_is_reduced_in_the_residuals_dtype():
         want = np.asarray(xla.residual_add(jnp.asarray(total), residual, 1.0))  # the scale keeps the sum
         for ns in (xla, triton):
             run = lambda p, r: ns.residual_add(p[0], r, 1.0, axis_name="tp")  # noqa: E731
-            got = jax.shard_map(run, mesh=mesh, in_specs=(P("tp"), P()), out_specs=P(),
-                                check_vma=False)(jnp.asarray(parts), residual)
+            split = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(P("tp"), P()), out_specs=P(), check_vma=False))
+            got = split(jnp.asarray(parts), residual)
             np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{ns.__name__}, {rows} rows")
+            # What is sent: the program's all-reduce takes a bf16 message when wide, fp32 otherwise.
+            text = split.lower(jnp.asarray(parts), residual).as_text()
+            sent = re.findall(r"stablehlo\.all_reduce.*?\}\) : \(tensor<[0-9x]+x(\w+)>\)", text, re.S)
+            assert sent[:1] == ["bf16" if wide else "f32"], (ns.__name__, rows, sent)
         # The two roundings are visible: the fp32 sum, rounded once, differs somewhere.
         assert (bf16(bf16(parts[0]) + bf16(parts[1])) != bf16(parts.sum(0))).any()
