@@ -429,21 +429,23 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
             s = s_ref[pl.ds(g, 1), :].astype(jnp.float32)  # [1, BN]
             if mode == "dot_t":
                 s = s.reshape(block_n, 1)
-            if mode == "gemv" and (has_zeros or pairs):
-                # One row: the zero point (and the pairs' offset) times x, subtracted row by row from the
-                # chunk's [rows, BN] products before the scale: x's rows are the planes' rows summed
-                # (unscaled), so no chunk sums are computed outside (an XLA reduction and launch per linear).
-                z = z_ref[pl.ds(g, 1), :].astype(jnp.float32) if has_zeros else float(SYM_ZERO)
+            zo = None  # the zero point plus the pairs' offset, when something is to be removed with x's sums
+            if has_zeros or pairs:
+                zo = z_ref[pl.ds(g, 1), :].astype(jnp.float32) if has_zeros else float(SYM_ZERO)
+                zo = zo + (pairs[1] if pairs else 0)
+            if mode == "gemv" and zo is not None:
+                # One row: zo times x, subtracted row by row from the chunk's [rows, BN] products before the
+                # scale: x's rows are the planes' rows summed (unscaled), so no chunk sums are computed outside
+                # (an XLA reduction and launch per linear).
                 xv = None
                 for p in range(8):
                     xp = x_ref[p, 0, pl.ds(r0, rows)]
                     xp = xp if pairs else xp * float(2 ** PLANE_BITS[p][1])
                     xv = xp if xv is None else xv + xp
-                t = t - (z + (pairs[1] if pairs else 0)) * xv[:, None]
+                t = t - zo * xv[:, None]
             acc = acc + t * s
-            if (has_zeros or pairs) and mode != "gemv":
-                z = z_ref[pl.ds(g, 1), :].astype(jnp.float32) if has_zeros else float(SYM_ZERO)
-                zs = (z + (pairs[1] if pairs else 0)) * s_ref[pl.ds(g, 1), :].astype(jnp.float32)
+            if zo is not None and mode != "gemv":
+                zs = zo * s_ref[pl.ds(g, 1), :].astype(jnp.float32)
                 c = (k0 + j * chunk) // chunk  # x sums are per chunk (a group may span several)
                 if mode == "dot":
                     zacc = zacc + zs * xs_ref[:, pl.ds(c, 1)]

@@ -73,7 +73,7 @@ def residual_add_reference(partial: jax.Array, residual: jax.Array, scale: float
 
 def _message(partial: jax.Array, residual: jax.Array) -> jax.Array:
     """What a device sends to the all-reduce: ``partial`` itself, or rounded to the residual's dtype when it
-    has more than :data:`WIDE_MESSAGE` elements (a prefill chunk's)."""
+    has more than :data:`WIDE_MESSAGE` elements (a prefill chunk's, or a batch's of over 64 rows of 4,096)."""
     return partial.astype(residual.dtype) if partial.size > WIDE_MESSAGE else partial
 
 
@@ -92,7 +92,7 @@ def _reduce(partial: jax.Array, residual: jax.Array, axis_name: Hashable | None,
         return partial
     if fits(partial, peers):
         return peer_all_reduce(partial, peers, axis_name)
-    # No workspace, or a prefill chunk's message: XLA's collective, on the message the reference sends.
+    # No workspace, or a wide message (a prefill chunk's): XLA's collective, on the message the reference sends.
     return lax.psum(_message(partial, residual), axis_name)
 
 
