@@ -15,7 +15,8 @@ Two kernels (``KERNELS``; :func:`default_kernel` picks one):
   reduced by XLA. 2..64 rows: 8 tensor-core dots of ``[rows, r] @ [r, block_n]`` per sub-block (``planes``)
   or their transpose with the codes as the left operand (``planes_t``, the default). Nothing is reshaped
   inside the loop. With 16-bit x the codes are decoded two at a time into 16-bit floats ``offset + q``
-  (:data:`PAIR_CODES`, integer instructions only), the offset removed with the zero point.
+  (:data:`PAIR_CODES`, integer instructions only), the offset removed with the zero point. On the GPU the
+  pairs' mask and magic, and the one-row kernel's multiply-adds, are one instruction each (:mod:`inline_ptx`).
 * ``tile``: unpacks a ``[block_k, block_n]`` tile with shifts and masks into code order, then a GEMV (one
   row) or ``jnp.dot`` on the dequantized tile (rows padded to a multiple of 16). 2..64 rows with scale
   groups under 128 run it (and any row count given an explicit ``config``).
@@ -47,7 +48,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.launch import KernelConfig, is_power_of_2, launch_options, next_power_of_2, num_cores
+from pallas_kernels.inline_ptx import and_or, fma
+from pallas_kernels.launch import (KernelConfig, default_interpret, is_power_of_2, launch_options, next_power_of_2,
+                                   num_cores)
 
 SYM_ZERO = 8
 
@@ -90,7 +93,10 @@ KERNELS = ("tile", "planes", "planes_t")
 # 20.3 / 91.4 / 51.3; 17..64 rows (planes_t): 18.0 / 79.9 / 40.6 vs 25.8 / 103.9 / 56.7.
 # With code pairs (H200, 2026-11-29, 16 rows, same process, float32 planes in `planes` -> pairs in `planes_t`,
 # best of 2): gate_up 59.0 -> 51.3, down 36.3 -> 30.0, qkv 14.6 -> 14.1, o 12.3 -> 11.8 µs, 1.14x a layer; one
-# row 95.2 -> 90.9 µs a layer (docs/lab_notes/2026-11-29-thirty-eighth-session.md).
+# row 95.2 -> 90.9 µs a layer (docs/lab_notes/2026-11-29-thirty-eighth-session.md). With single-instruction
+# multiply-adds and mask-ors (H200, 2026-11-29, `--scenarios int4 --noxla_command_buffers`): one row 6.9 / 6.6 /
+# 29.7 / 16.9 µs for qkv / o / gate_up / down, where the launch sweep found nothing faster than this table
+# (docs/lab_notes/2026-11-29-forty-third-session.md).
 PLANES_CONFIGS = {
     1: ("planes", Int4Config(block_m=1, block_n=64, block_k=256, num_warps=4, num_stages=2)),
     16: ("planes_t", Int4Config(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)),
@@ -336,6 +342,12 @@ def _planes_x(x2: jax.Array, transpose: bool, dtype, scaled: bool = True) -> jax
 # tests) keeps the float32 planes.
 PAIR_CODES = {jnp.dtype(jnp.bfloat16): (0x4300, 128), jnp.dtype(jnp.float16): (0x6400, 1024)}
 
+# The one-row kernel reads the bfloat16 pair's word as the float32 of its high half unmasked (one instruction
+# fewer per two codes): ``128 + q_{p+4} + (0x4300 + q_p)·2^-16``. The low half's mean (codes 0..15) is removed
+# with the offset; what stays, ``(q_p − 7.5)·2^-16`` per code, is at most 1.2e-4 of a code step, zero on average
+# (a bf16 result rounds at 2^-9 of itself).
+PAIR_LOW_HALF = (0x4300 + 7.5) / 65536
+
 
 def _pairs(dtype, gemv: bool) -> tuple[int, int] | None:
     """(magic half-word, offset) of the code pairs for x in ``dtype``, or None (float32 x). The one-row
@@ -345,13 +357,16 @@ def _pairs(dtype, gemv: bool) -> tuple[int, int] | None:
     return PAIR_CODES[jnp.dtype(jnp.bfloat16) if gemv else jnp.dtype(dtype)]
 
 
-def plane_pair(words: jax.Array, p: int, magic: int, dtype) -> tuple[jax.Array, jax.Array]:
+def plane_pair(words: jax.Array, p: int, magic: int, dtype, *, asm: bool = False,
+               raw_high: bool = False) -> tuple[jax.Array, jax.Array]:
     """(``offset + q_p``, ``offset + q_{p+4}``) in ``dtype`` for every word of ``words`` (int32), p < 4.
     ``dtype`` float32 takes the bfloat16 pair (``magic`` 0x4300) widened: the low half shifted up 16 bits,
-    the high half masked."""
-    t = ((words >> 4 * p) if p else words) & 0x000F000F | (magic * 0x10001)
+    the high half masked, or with ``raw_high`` not masked (``+ (magic + q_p)·2^-16``, :data:`PAIR_LOW_HALF`).
+    ``asm``: the mask and the magic in one instruction (:func:`inline_ptx.and_or`; GPU only)."""
+    t = and_or((words >> 4 * p) if p else words, 0x000F000F, magic * 0x10001, asm=asm)
     if dtype == jnp.float32:
-        return lax.bitcast_convert_type(t << 16, dtype), lax.bitcast_convert_type(t & -65536, dtype)
+        high = t if raw_high else t & -65536
+        return lax.bitcast_convert_type(t << 16, dtype), lax.bitcast_convert_type(high, dtype)
     return (lax.bitcast_convert_type(t.astype(jnp.int16), dtype),
             lax.bitcast_convert_type((t >> 16).astype(jnp.int16), dtype))
 
@@ -365,7 +380,8 @@ def _plane(words: jax.Array, p: int, zero: int) -> jax.Array:
     return lax.bitcast_convert_type(masked | 0x4B000000, jnp.float32) - float(2**23 + zero * 2**e)
 
 
-def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, mode, has_zeros, pairs=None):
+def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, mode, has_zeros, pairs=None,
+                  asm=False):
     """kpacked kernel over nibble planes: a chunk of ``8·rows`` input rows (one scale group) is 8 planes
     of ``[rows, BN]`` codes, each multiplied by its plane of x; nothing is reshaped or reduced across
     threads inside the loop.
@@ -376,7 +392,10 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
 
     pairs (16-bit x): ``(magic, offset)`` of :data:`PAIR_CODES`: the codes enter the products as ``offset + q``
     (:func:`plane_pair`), and ``(z + offset)·s`` times the chunk sums of x (``xs_ref``) is subtracted; the gemv
-    mode subtracts ``(z + offset)·x`` row by row from each chunk's products instead (no ``xs_ref``)."""
+    mode subtracts ``(z + offset)·x`` row by row from each chunk's products instead (no ``xs_ref``), and reads
+    the high code of a pair unmasked (:data:`PAIR_LOW_HALF`, ``x``'s high planes times it subtracted too).
+
+    asm (GPU): multiply-adds as one instruction and the pairs' mask and magic as one (:mod:`inline_ptx`)."""
     z_ref = rest[0] if has_zeros else None
     # x's chunk sums: an input of the dot modes; the one-row mode adds its planes' rows itself (below).
     xs_ref = rest[-2] if (has_zeros or pairs) and mode != "gemv" else None
@@ -403,11 +422,13 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
             return t
         t = None
         for p in range(4):
-            for plane, q in zip((p, p + 4), plane_pair(w, p, pairs[0], x_ref.dtype)):
+            for plane, q in zip((p, p + 4), plane_pair(w, p, pairs[0], x_ref.dtype, asm=asm,
+                                                       raw_high=mode == "gemv")):
                 if mode == "gemv":
-                    d = q * x_ref[plane, 0, pl.ds(r0, rows)][:, None]
-                else:
-                    d = dot(x_plane(r0, plane), q) if mode == "dot" else dot(q.T, x_plane(r0, plane))
+                    xq = x_ref[plane, 0, pl.ds(r0, rows)][:, None]
+                    t = q * xq if t is None else fma(q, xq, t, asm=asm)
+                    continue
+                d = dot(x_plane(r0, plane), q) if mode == "dot" else dot(q.T, x_plane(r0, plane))
                 t = d if t is None else t + d
         return t
 
@@ -437,13 +458,17 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
                 # One row: zo times x, subtracted row by row from the chunk's [rows, BN] products before the
                 # scale: x's rows are the planes' rows summed (unscaled), so no chunk sums are computed outside
                 # (an XLA reduction and launch per linear).
-                xv = None
-                for p in range(8):
-                    xp = x_ref[p, 0, pl.ds(r0, rows)]
-                    xp = xp if pairs else xp * float(2 ** PLANE_BITS[p][1])
-                    xv = xp if xv is None else xv + xp
-                t = t - zo * xv[:, None]
-            acc = acc + t * s
+                xs = [x_ref[p, 0, pl.ds(r0, rows)] for p in range(8)]
+                if not pairs:
+                    xs = [xp * float(2 ** PLANE_BITS[p][1]) for p, xp in enumerate(xs)]
+                x_high = xs[4] + xs[5] + xs[6] + xs[7]
+                xv = xs[0] + xs[1] + xs[2] + xs[3] + x_high  # [rows]
+                low = PAIR_LOW_HALF * x_high if pairs else 0.0  # the unmasked high halves' low bits
+                if has_zeros:  # zo [1, BN]
+                    t = fma(-zo, xv[:, None], t - low[:, None] if pairs else t, asm=asm)
+                else:  # zo a constant: one term per row
+                    t = t - (zo * xv + low)[:, None]
+            acc = fma(t, s, acc, asm=asm) if mode == "gemv" else acc + t * s
             if zo is not None and mode != "gemv":
                 zs = zo * s_ref[pl.ds(g, 1), :].astype(jnp.float32)
                 c = (k0 + j * chunk) // chunk  # x sums are per chunk (a group may span several)
@@ -635,7 +660,8 @@ def _planes_matmul(x2, qweight, scales, zeros, perm, cfg: Int4Config, num_splits
         args.append(xs)
     body = functools.partial(
         _plane_kernel, rows=rows, chunks=cfg.block_k // chunk, steps=k // cfg.block_k // num_splits,
-        group_size=group_size, mode=mode, has_zeros=zeros is not None, pairs=pairs)
+        group_size=group_size, mode=mode, has_zeros=zeros is not None, pairs=pairs,
+        asm=not (default_interpret() if interpret is None else interpret))
     partial = pl.pallas_call(
         body,
         grid=(m_pad // block_m, n // block_n, num_splits),

@@ -224,6 +224,11 @@ def test_plane_pairs_hold_every_code_exactly():
             assert lo.dtype == hi.dtype == dtype
             np.testing.assert_array_equal(np.asarray(lo, np.float64).reshape(16), offset + nibbles[:, p])
             np.testing.assert_array_equal(np.asarray(hi, np.float64).reshape(16), offset + nibbles[:, p + 4])
+        if dtype == jnp.float32:  # the one-row kernel's unmasked high half carries the low half at 2^-16
+            for p in range(4):
+                _, hi = kern.plane_pair(words, p, magic, dtype, raw_high=True)
+                want = offset + nibbles[:, p + 4] + (magic + nibbles[:, p]) / 65536
+                np.testing.assert_array_equal(np.asarray(hi, np.float64).reshape(16), want)
 
 
 # (k, n, group_size, sym, act_order, m, kernel, x dtype)

@@ -1,0 +1,43 @@
+"""Single PTX instructions for Pallas Triton kernels where XLA's Triton pipeline emits more instructions, each
+equal to the plain jnp it replaces, which interpret mode (the CPU) runs instead (``asm=False``).
+
+* :func:`fma`: ``a·b + c`` as one ``fma.rn.f32``. XLA compiles Pallas Triton kernels without floating-point
+  contraction, so ``a * b + c`` stays a multiply and an add (ncu, H200, 2026-11-29: the one-row int4 kernel ran
+  0 fused and 10.7M unfused FP32 instructions, FMUL and FADD in its SASS).
+* :func:`and_or`: ``(a & mask) | bits`` as one ``lop3.b32``. Written as jnp, ptxas emits two LOP3 instructions,
+  one per constant (a SASS instruction takes one immediate); given one PTX instruction it keeps a constant in a
+  register instead.
+
+Both are pure and elementwise (Pallas' ``elementwise_inline_asm``; operands broadcast to one shape first).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plt
+
+
+def _elementwise(asm: str, constraints: str, dtype, *args: jax.Array) -> jax.Array:
+    shape = jnp.broadcast_shapes(*(a.shape for a in args))
+    args = [jnp.broadcast_to(a, shape) for a in args]
+    return plt.elementwise_inline_asm(asm, args=args, constraints=constraints, pack=1,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct(shape, dtype)])[0]
+
+
+def fma(a: jax.Array, b: jax.Array, c: jax.Array, *, asm: bool) -> jax.Array:
+    """``a·b + c`` for float32 arrays (broadcast to one shape), rounded once on the GPU (``asm``), twice by jnp."""
+    if not asm:
+        return a * b + c
+    a, b, c = (jnp.asarray(v, jnp.float32) for v in (a, b, c))
+    return _elementwise("fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", jnp.float32, a, b, c)
+
+
+def and_or(a: jax.Array, mask: int, bits: int, *, asm: bool) -> jax.Array:
+    """``(a & mask) | bits`` for an int32 array and two constants in [0, 2³¹), bit for bit the same either way."""
+    if not 0 <= mask < 1 << 31 or not 0 <= bits < 1 << 31:
+        raise ValueError(f"and_or takes constants in [0, 2**31); got {mask:#x}, {bits:#x}")
+    if not asm:
+        return a & mask | bits
+    # lop3's look-up table for (a & b) | c: with a = 0xF0, b = 0xCC, c = 0xAA, (0xF0 & 0xCC) | 0xAA = 0xEA.
+    return _elementwise(f"lop3.b32 $0, $1, {mask}, {bits}, 0xEA;", "=r,r", jnp.int32, a)
