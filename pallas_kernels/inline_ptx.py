@@ -1,5 +1,6 @@
 """Single PTX instructions for Pallas Triton kernels where XLA's Triton pipeline emits more instructions, each
-equal to the plain jnp it replaces, which interpret mode (the CPU) runs instead (``asm=False``).
+beside the plain jnp it replaces, which interpret mode (the CPU) runs instead (``asm=False``): ``and_or`` equal to
+it bit for bit, ``fma`` up to the product's rounding (one rounding on the GPU, two in jnp).
 
 * :func:`fma`: ``a·b + c`` as one ``fma.rn.f32``. XLA compiles Pallas Triton kernels without floating-point
   contraction, so ``a * b + c`` stays a multiply and an add (ncu, H200, 2026-11-29: the one-row int4 kernel ran

@@ -345,8 +345,8 @@ PAIR_CODES = {jnp.dtype(jnp.bfloat16): (0x4300, 128), jnp.dtype(jnp.float16): (0
 # The one-row kernel reads the bfloat16 pair's word as the float32 of its high half unmasked (one instruction
 # fewer per two codes): ``128 + q_{p+4} + (0x4300 + q_p)·2^-16``. The low half's mean (codes 0..15) is removed
 # with the offset; what stays, ``(q_p − 7.5)·2^-16`` per code, is at most 1.2e-4 of a code step, zero on average
-# (a bf16 result rounds at 2^-9 of itself).
-PAIR_LOW_HALF = (0x4300 + 7.5) / 65536
+# (a bf16 result rounds at 2^-9 of itself). The one-row kernel takes the bfloat16 pair for any 16-bit x (_pairs).
+PAIR_LOW_HALF = (PAIR_CODES[jnp.dtype(jnp.bfloat16)][0] + 7.5) / 65536
 
 
 def _pairs(dtype, gemv: bool) -> tuple[int, int] | None:

@@ -244,8 +244,9 @@ _PAIR_CASES = [
 def test_int4_plane_kernels_with_16_bit_x_take_code_pairs(k, n, gs, sym, act_order, m, kernel, dtype):
     """16-bit x runs the plane kernels on code pairs (``offset + q``, the offset removed through the chunk sums
     of x, which the one-row kernel adds from its planes itself): the float32 reference on the same 16-bit
-    inputs, to float32 accumulation (the bf16 test above allows a bf16 result's rounding, which would hide a
-    code off by one)."""
+    inputs, to float32 accumulation plus, at one row, the unmasked high halves' residual (``PAIR_LOW_HALF``,
+    ~1e-5 here; without its correction 8e-3 and more). The bf16 test above allows a bf16 result's rounding,
+    which would hide a code off by one."""
     rng = np.random.default_rng(k + m + gs)
     w = random_weight(rng, k, n, gs, sym=sym, act_order=act_order)
     arrays = {name: jnp.asarray(a, dtype) if name in ("scales", "zeros") else jnp.asarray(a)
@@ -257,6 +258,24 @@ def test_int4_plane_kernels_with_16_bit_x_take_code_pairs(k, n, gs, sym, act_ord
         group_size=gs)
     assert y.dtype == jnp.float32 and y.shape == (m, n)
     assert_close(y, exact, 2e-5)
+
+
+@pytest.mark.parametrize("interpret,asm", [(True, False), (False, True), (None, False)])
+def test_plane_kernels_take_inline_ptx_only_when_compiled(monkeypatch, interpret, asm):
+    """The plane kernels get ``asm`` (single PTX instructions, pallas_kernels/inline_ptx.py) exactly when they are
+    compiled, not interpreted (None: interpreted off the GPU), for one row and for the dot rows."""
+    seen = []
+
+    def fake_pallas_call(body, *, out_shape, **_):
+        seen.append(body.keywords["asm"])
+        return lambda *args: jnp.zeros(out_shape.shape, out_shape.dtype)
+
+    monkeypatch.setattr(kern.pl, "pallas_call", fake_pallas_call)
+    w = random_weight(np.random.default_rng(4), 256, 64, 128)
+    e = {name: jnp.asarray(a) for name, a in int4.to_engine(w).items()}
+    for m in (1, 12):
+        kern.int4_matmul(jnp.zeros((m, 256), jnp.bfloat16), **e, group_size=128, interpret=interpret)
+    assert seen == [asm, asm]
 
 
 def test_int4_default_kernel_choice():
