@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.inline_ptx import and_or, fma
-from pallas_kernels.launch import (KernelConfig, default_interpret, is_power_of_2, launch_options, next_power_of_2,
+from pallas_kernels.launch import (KernelConfig, interpreted, is_power_of_2, launch_options, next_power_of_2,
                                    num_cores)
 
 SYM_ZERO = 8
@@ -661,7 +661,7 @@ def _planes_matmul(x2, qweight, scales, zeros, perm, cfg: Int4Config, num_splits
     body = functools.partial(
         _plane_kernel, rows=rows, chunks=cfg.block_k // chunk, steps=k // cfg.block_k // num_splits,
         group_size=group_size, mode=mode, has_zeros=zeros is not None, pairs=pairs,
-        asm=not (default_interpret() if interpret is None else interpret))
+        asm=not interpreted(interpret))
     partial = pl.pallas_call(
         body,
         grid=(m_pad // block_m, n // block_n, num_splits),

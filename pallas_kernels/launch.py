@@ -54,11 +54,14 @@ def default_interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
+def interpreted(interpret: bool | None) -> bool:
+    """Whether a kernel given ``interpret`` (None: :func:`default_interpret`) runs in interpret mode."""
+    return default_interpret() if interpret is None else bool(interpret)
+
+
 def launch_options(config: KernelConfig, interpret: bool | None) -> dict:
     """Keyword arguments for ``pl.pallas_call``: interpret mode on CPU, Triton compiler params on GPU."""
-    if interpret is None:
-        interpret = default_interpret()
-    if interpret:
+    if interpreted(interpret):
         return {"interpret": True}
     return {"compiler_params": plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)}
 
