@@ -8,14 +8,19 @@ it bit for bit, ``fma`` up to the product's rounding (one rounding on the GPU, t
 * :func:`and_or`: ``(a & mask) | bits`` as one ``lop3.b32``. Written as jnp, ptxas emits two LOP3 instructions,
   one per constant (a SASS instruction takes one immediate); given one PTX instruction it keeps a constant in a
   register instead.
+* :func:`sub_halves`: a constant subtracted from both 16-bit floats of a word as one ``sub.bf16x2`` /
+  ``sub.f16x2``. The jnp form unpacks, subtracts in the 16-bit dtype and repacks (Triton would widen each half to
+  float32 and back).
 
-Both are pure and elementwise (Pallas' ``elementwise_inline_asm``; operands broadcast to one shape first).
+All are pure and elementwise (Pallas' ``elementwise_inline_asm``; operands broadcast to one shape first).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jax.experimental.pallas import triton as plt
 
 
@@ -42,3 +47,21 @@ def and_or(a: jax.Array, mask: int, bits: int, *, asm: bool) -> jax.Array:
         return a & mask | bits
     # lop3's look-up table for (a & b) | c: with a = 0xF0, b = 0xCC, c = 0xAA, (0xF0 & 0xCC) | 0xAA = 0xEA.
     return _elementwise(f"lop3.b32 $0, $1, {mask}, {bits}, 0xEA;", "=r,r", jnp.int32, a)
+
+
+def sub_halves(a: jax.Array, value: float, dtype, *, asm: bool) -> jax.Array:
+    """Each int32 word of ``a`` read as two ``dtype`` floats (bfloat16 or float16, low half first), ``value``
+    subtracted from both, repacked into an int32. Rounded once on the GPU (``asm``), through float32 by jnp: the
+    same bits wherever the difference is exact in ``dtype`` (the int4 kernels' small integers)."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"sub_halves takes bfloat16 or float16 halves; got {dtype}")
+    if not asm:
+        lo = lax.bitcast_convert_type(a.astype(jnp.int16), dtype) - jnp.asarray(value, dtype)
+        hi = lax.bitcast_convert_type((a >> 16).astype(jnp.int16), dtype) - jnp.asarray(value, dtype)
+        return (lax.bitcast_convert_type(hi, jnp.int16).astype(jnp.int32) << 16
+                | lax.bitcast_convert_type(lo, jnp.uint16).astype(jnp.int32))
+    half = int(np.asarray(value, dtype).view(np.uint16))
+    op = "sub.bf16x2" if dtype == jnp.dtype(jnp.bfloat16) else "sub.f16x2"
+    # a packed operand takes no immediate: the constant goes through a scoped register (folded by ptxas)
+    return _elementwise(f"{{ .reg .b32 c; mov.b32 c, {half * 0x10001}; {op} $0, $1, c; }}", "=r,r", jnp.int32, a)

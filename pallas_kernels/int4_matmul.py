@@ -12,11 +12,13 @@ Two kernels (``KERNELS``; :func:`default_kernel` picks one):
   ``[r, block_n]`` codes, each multiplied by the matching plane of x (x is split into planes outside,
   ``x[8r + p]`` in plane p). One row (batch-1 decode): elementwise products accumulated in ``[r, block_n]``
   and reduced over rows once at the end — a GEMV with K split over many programs (split-K), partial sums
-  reduced by XLA. 2..64 rows: 8 tensor-core dots of ``[rows, r] @ [r, block_n]`` per sub-block (``planes``)
-  or their transpose with the codes as the left operand (``planes_t``, the default). Nothing is reshaped
-  inside the loop. With 16-bit x the codes are decoded two at a time into 16-bit floats ``offset + q``
-  (:data:`PAIR_CODES`, integer instructions only), the offset removed with the zero point. On the GPU the
-  pairs' mask and magic, and the one-row kernel's multiply-adds, are one instruction each (:mod:`inline_ptx`).
+  reduced by XLA. 2..64 rows: tensor-core dots of x's planes and the codes' per sub-block (``planes``, the
+  default to 16 rows) or their transpose with the codes as the left operand (``planes_t``, 17..64 rows).
+  With 16-bit x the codes are decoded two at a time into 16-bit floats (:mod:`int4_codes`): ``offset + q``
+  with integer instructions only, the offset removed with the zero point, and in ``planes`` one packed
+  subtraction more to ``q − 8``, the pair's two codes K-adjacent in 4 dots of ``[rows, 2r] @ [2r, block_n]``
+  (``planes_t``: 8 dots of ``[r, ...]``). On the GPU the pairs' mask and magic, the subtraction and the one-row
+  kernel's multiply-adds are one instruction each (:mod:`inline_ptx`).
 * ``tile``: unpacks a ``[block_k, block_n]`` tile with shifts and masks into code order, then a GEMV (one
   row) or ``jnp.dot`` on the dequantized tile (rows padded to a multiple of 16). 2..64 rows with scale
   groups under 128 run it (and any row count given an explicit ``config``).
@@ -48,11 +50,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.inline_ptx import and_or, fma
+from pallas_kernels.inline_ptx import fma
+from pallas_kernels.int4_codes import (PAIR_LOW_HALF, PLANE_BITS, SYM_ZERO, centred_pair, float32_plane, joined_x,
+                                       pairs_for, plane_pair, planes_x)
 from pallas_kernels.launch import (KernelConfig, interpreted, is_power_of_2, launch_options, next_power_of_2,
                                    num_cores)
-
-SYM_ZERO = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +98,12 @@ KERNELS = ("tile", "planes", "planes_t")
 # row 95.2 -> 90.9 µs a layer (docs/lab_notes/2026-11-29-thirty-eighth-session.md). With single-instruction
 # multiply-adds and mask-ors (H200, 2026-11-29, `--scenarios int4 --noxla_command_buffers`): one row 6.9 / 6.6 /
 # 29.7 / 16.9 µs for qkv / o / gate_up / down, where the launch sweep found nothing faster than this table
-# (docs/lab_notes/2026-11-29-forty-third-session.md).
+# (docs/lab_notes/2026-11-29-forty-third-session.md). 2..16 rows with centred, K-adjacent pairs in `planes`
+# (H200, 2026-11-30, best of 2 in one process): 85.5 vs 95.8 µs a layer for `planes_t`; no launch of 16 tried
+# beat this entry (docs/lab_notes/2026-11-30-forty-fourth-session.md).
 PLANES_CONFIGS = {
     1: ("planes", Int4Config(block_m=1, block_n=64, block_k=256, num_warps=4, num_stages=2)),
-    16: ("planes_t", Int4Config(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)),
+    16: ("planes", Int4Config(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)),
     64: ("planes_t", Int4Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)),
 }
 PLANES_MIN_GROUP = 128  # with 2+ rows a plane of one scale group must have >= 16 word rows (the tensor cores' K)
@@ -317,67 +321,10 @@ def _kernel(x_ref, w_ref, s_ref, *rest, chunk, chunks, steps, group_size, gemv, 
     o_ref[...] = acc
 
 
-# Per nibble p of a kpacked word: (right shift, exponent e) such that ``(w >> shift) & (0xF << e)`` holds
-# ``q_p·2^e`` with e ≤ 16 (so it fits the float mantissa below); 2^-e is folded into x outside the kernel.
-PLANE_BITS = tuple((max(4 * p - 16, 0), 4 * p - max(4 * p - 16, 0)) for p in range(8))
-
-
-def _planes_x(x2: jax.Array, transpose: bool, dtype, scaled: bool = True) -> jax.Array:
-    """x ``[M, K]`` → nibble planes ``[8, M, K/8]`` (``[8, K/8, M]`` if transpose): plane p, word row r
-    holds ``x[:, 8r + p]·2^-e_p`` (exact: a power of two; ``x[:, 8r + p]`` itself when not ``scaled``)."""
-    m, k = x2.shape
-    xp = x2.reshape(m, k // 8, 8)
-    if scaled:
-        e = jnp.asarray([e for _, e in PLANE_BITS], jnp.float32)
-        xp = xp.astype(jnp.float32) * jnp.exp2(-e)
-    return xp.transpose((2, 1, 0) if transpose else (2, 0, 1)).astype(dtype)
-
-
-# 16-bit code pairs (16-bit x): ``(w >> 4p) & 0x000F000F | magic·0x00010001`` holds two 16-bit floats,
-# ``offset + q_p`` (low half) and ``offset + q_{p+4}`` (high half), exactly (the code is OR-ed into the mantissa
-# of ``offset``, whose unit is 1): a shift and one AND-OR for two codes and no float instruction, where the
-# float32 planes (:func:`_plane`) take an AND-OR and a subtraction for each code and a conversion to x's dtype
-# for the tensor cores. The offset goes with the zero point: ``(z + offset)·s`` times the chunk's sum of x is
-# subtracted once per chunk. Its cancellation costs ~1e-6 relative in float32 accumulation, so float32 x (exact
-# tests) keeps the float32 planes.
-PAIR_CODES = {jnp.dtype(jnp.bfloat16): (0x4300, 128), jnp.dtype(jnp.float16): (0x6400, 1024)}
-
-# The one-row kernel reads the bfloat16 pair's word as the float32 of its high half unmasked (one instruction
-# fewer per two codes): ``128 + q_{p+4} + (0x4300 + q_p)·2^-16``. The low half's mean (codes 0..15) is removed
-# with the offset; what stays, ``(q_p − 7.5)·2^-16`` per code, is at most 1.2e-4 of a code step, zero on average
-# (a bf16 result rounds at 2^-9 of itself). The one-row kernel takes the bfloat16 pair for any 16-bit x (_pairs).
-PAIR_LOW_HALF = (PAIR_CODES[jnp.dtype(jnp.bfloat16)][0] + 7.5) / 65536
-
-
-def _pairs(dtype, gemv: bool) -> tuple[int, int] | None:
-    """(magic half-word, offset) of the code pairs for x in ``dtype``, or None (float32 x). The one-row
-    kernel multiplies in float32 and takes bfloat16 pairs, which widen to float32 by a shift."""
-    if jnp.dtype(dtype) not in PAIR_CODES:
-        return None
-    return PAIR_CODES[jnp.dtype(jnp.bfloat16) if gemv else jnp.dtype(dtype)]
-
-
-def plane_pair(words: jax.Array, p: int, magic: int, dtype, *, asm: bool = False,
-               raw_high: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(``offset + q_p``, ``offset + q_{p+4}``) in ``dtype`` for every word of ``words`` (int32), p < 4.
-    ``dtype`` float32 takes the bfloat16 pair (``magic`` 0x4300) widened: the low half shifted up 16 bits,
-    the high half masked, or with ``raw_high`` not masked (``+ (magic + q_p)·2^-16``, :data:`PAIR_LOW_HALF`).
-    ``asm``: the mask and the magic in one instruction (:func:`inline_ptx.and_or`; GPU only)."""
-    t = and_or((words >> 4 * p) if p else words, 0x000F000F, magic * 0x10001, asm=asm)
-    if dtype == jnp.float32:
-        high = t if raw_high else t & -65536
-        return lax.bitcast_convert_type(t << 16, dtype), lax.bitcast_convert_type(high, dtype)
-    return (lax.bitcast_convert_type(t.astype(jnp.int16), dtype),
-            lax.bitcast_convert_type((t >> 16).astype(jnp.int16), dtype))
-
-
-def _plane(words: jax.Array, p: int, zero: int) -> jax.Array:
-    """``(q_p − zero)·2^e_p`` as float32 for every word of ``words`` (int32, any shape): the nibble is
-    masked in place and OR-ed into the mantissa of 2²³, then ``2²³ + zero·2^e`` is subtracted (exact), so a
-    code costs an AND, an OR and one add (plus a shift for p > 4)."""
-    shift, e = PLANE_BITS[p]
-    masked = ((words >> shift) if shift else words) & (0xF << e)
-    return lax.bitcast_convert_type(masked | 0x4B000000, jnp.float32) - float(2**23 + zero * 2**e)
+def _chunk_sums_needed(mode: str, has_zeros: bool, pairs) -> bool:
+    """Whether a dot mode subtracts (zero point [+ pair offset]) · scale times x's chunk sums: with zero points,
+    or with the offset pairs of ``dot_t`` (``dot``'s centred pairs carry no offset)."""
+    return mode != "gemv" and (has_zeros or (pairs is not None and mode == "dot_t"))
 
 
 def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, mode, has_zeros, pairs=None,
@@ -390,15 +337,20 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
     once at the end. "dot": ``Σ_p x_p [BM, rows] @ q_p [rows, BN]`` on the tensor cores. "dot_t": the
     transposed product ``q_pᵀ [BN, rows] @ x_p [rows, BM]`` (the codes as the left operand).
 
-    pairs (16-bit x): ``(magic, offset)`` of :data:`PAIR_CODES`: the codes enter the products as ``offset + q``
-    (:func:`plane_pair`), and ``(z + offset)·s`` times the chunk sums of x (``xs_ref``) is subtracted; the gemv
-    mode subtracts ``(z + offset)·x`` row by row from each chunk's products instead (no ``xs_ref``), and reads
-    the high code of a pair unmasked (:data:`PAIR_LOW_HALF`, ``x``'s high planes times it subtracted too).
+    pairs (16-bit x): ``(magic, offset)`` of :data:`PAIR_CODES`. "dot" takes centred pairs (:func:`centred_pair`,
+    ``q − 8``) with a pair's two codes K-adjacent: 4 dots of ``x [BM, 2·rows] @ q [2·rows, BN]`` a chunk, x in
+    pair planes (:func:`joined_x`), nothing to remove without zero points. "dot_t": the codes enter the products
+    as ``offset + q`` (:func:`plane_pair`), and ``(z + offset)·s`` times the chunk sums of x (``xs_ref``) is
+    subtracted. The gemv mode subtracts ``(z + offset)·x`` row by row from each chunk's products instead (no
+    ``xs_ref``), and reads the high code of a pair unmasked (:data:`PAIR_LOW_HALF`, ``x``'s high planes times it
+    subtracted too). With zero points "dot" subtracts ``(z − 8)·s`` times the chunk sums.
 
-    asm (GPU): multiply-adds as one instruction and the pairs' mask and magic as one (:mod:`inline_ptx`)."""
+    asm (GPU): multiply-adds, the pairs' mask and magic, and the centring subtraction as one instruction each
+    (:mod:`inline_ptx`)."""
     z_ref = rest[0] if has_zeros else None
     # x's chunk sums: an input of the dot modes; the one-row mode adds its planes' rows itself (below).
-    xs_ref = rest[-2] if (has_zeros or pairs) and mode != "gemv" else None
+    xs_ref = rest[-2] if _chunk_sums_needed(mode, has_zeros, pairs) else None
+    centred = pairs is not None and mode == "dot"
     o_ref = rest[-1]
     split = pl.program_id(2)
     chunk = 8 * rows
@@ -421,19 +373,29 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
                 t = t + plane_product(w, r0, p)
             return t
         t = None
+        if centred:
+            # A pair's two codes as K-adjacent rows (stacked, then interleaved): 4 dots of K = 2·rows, not 8 of
+            # K = rows, and no offset to remove with x's chunk sums (H200, 16 rows: 85.5 vs 95.8 µs a MiniCPM4-8B
+            # layer, docs/lab_notes/2026-11-30-forty-fourth-session.md).
+            for p in range(4):
+                q = jnp.stack(centred_pair(w, p, x_ref.dtype, asm=asm), axis=-1)  # [rows, BN, 2]
+                q = q.transpose(0, 2, 1).reshape(2 * rows, block_n)
+                d = dot(x_ref[p, :, pl.ds(2 * r0, 2 * rows)], q)
+                t = d if t is None else t + d
+            return t
         for p in range(4):
-            for plane, q in zip((p, p + 4), plane_pair(w, p, pairs[0], x_ref.dtype, asm=asm,
-                                                       raw_high=mode == "gemv")):
+            for plane_p, q in zip((p, p + 4), plane_pair(w, p, pairs[0], x_ref.dtype, asm=asm,
+                                                      raw_high=mode == "gemv")):
                 if mode == "gemv":
-                    xq = x_ref[plane, 0, pl.ds(r0, rows)][:, None]
+                    xq = x_ref[plane_p, 0, pl.ds(r0, rows)][:, None]
                     t = q * xq if t is None else fma(q, xq, t, asm=asm)
                     continue
-                d = dot(x_plane(r0, plane), q) if mode == "dot" else dot(q.T, x_plane(r0, plane))
+                d = dot(q.T, x_plane(r0, plane_p))  # dot_t (dot mode takes the centred pairs above)
                 t = d if t is None else t + d
         return t
 
     def plane_product(w, r0, p):
-        q = _plane(w, p, zero)
+        q = float32_plane(w, p, zero)
         if mode == "gemv":
             return q * x_ref[p, 0, pl.ds(r0, rows)][:, None]
         xp = x_plane(r0, p)
@@ -451,7 +413,9 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
             if mode == "dot_t":
                 s = s.reshape(block_n, 1)
             zo = None  # the zero point plus the pairs' offset, when something is to be removed with x's sums
-            if has_zeros or pairs:
+            if centred:
+                zo = z_ref[pl.ds(g, 1), :].astype(jnp.float32) - SYM_ZERO if has_zeros else None
+            elif has_zeros or pairs:
                 zo = z_ref[pl.ds(g, 1), :].astype(jnp.float32) if has_zeros else float(SYM_ZERO)
                 zo = zo + (pairs[1] if pairs else 0)
             if mode == "gemv" and zo is not None:
@@ -638,19 +602,23 @@ def _planes_matmul(x2, qweight, scales, zeros, perm, cfg: Int4Config, num_splits
         raise ValueError(f"the {kernel} kernel needs sub-blocks of >= 128 input rows (scale groups of >= 128 and "
                          f"block_k >= 128) for {m} rows; got {chunk} (group_size {group_size})")
     dtype = jnp.float32 if mode == "gemv" else x2.dtype
-    pairs = _pairs(x2.dtype, mode == "gemv")
+    pairs = pairs_for(x2.dtype, mode == "gemv")
     block_n, groups = cfg.block_n, k // group_size
-    if mode == "dot_t":
+    if mode == "dot" and pairs:
+        x_spec, xp = pl.BlockSpec((4, block_m, k // 4), lambda i, j, s: (0, i, 0)), joined_x(x2, dtype)
+    elif mode == "dot_t":
         x_spec = pl.BlockSpec((8, k // 8, block_m), lambda i, j, s: (0, 0, i))
+        xp = planes_x(x2, True, dtype, scaled=pairs is None)
     else:
         x_spec = pl.BlockSpec((8, block_m, k // 8), lambda i, j, s: (0, i, 0))
+        xp = planes_x(x2, False, dtype, scaled=pairs is None)
     in_specs = [x_spec, pl.BlockSpec((k // 8, block_n), lambda i, j, s: (0, j)),
                 pl.BlockSpec((groups, block_n), lambda i, j, s: (0, j))]
-    args = [_planes_x(x2, mode == "dot_t", dtype, scaled=pairs is None), qweight, scales]
+    args = [xp, qweight, scales]
     if zeros is not None:
         in_specs.append(pl.BlockSpec((groups, block_n), lambda i, j, s: (0, j)))
         args.append(zeros)
-    if (zeros is not None or pairs) and mode != "gemv":
+    if _chunk_sums_needed(mode, zeros is not None, pairs):
         xs = x2.astype(jnp.float32).reshape(m_pad, k // chunk, chunk).sum(-1)  # [m, chunks of K]
         if mode == "dot_t":
             xs = xs.T

@@ -14,13 +14,18 @@ from pallas_kernels import inline_ptx
 MASK, BITS = 0x000F000F, 0x43004300
 
 
+CENTRE = {jnp.bfloat16: 136.0, jnp.float16: 1032.0}  # what the int4 kernels subtract from their code pairs
+
+
 def _run(asm: bool, a, b, c, w):
-    def kernel(a_ref, b_ref, c_ref, w_ref, f_ref, o_ref):
+    def kernel(a_ref, b_ref, c_ref, w_ref, f_ref, o_ref, *h_refs):
         f_ref[...] = inline_ptx.fma(a_ref[...], b_ref[...][:, None], c_ref[...], asm=asm)
         o_ref[...] = inline_ptx.and_or(w_ref[...], MASK, BITS, asm=asm)
+        for h_ref, (dtype, value) in zip(h_refs, CENTRE.items()):
+            h_ref[...] = inline_ptx.sub_halves(w_ref[...], value, dtype, asm=asm)
 
     return pl.pallas_call(kernel, out_shape=(jax.ShapeDtypeStruct(a.shape, jnp.float32),
-                                             jax.ShapeDtypeStruct(w.shape, jnp.int32)),
+                                             *[jax.ShapeDtypeStruct(w.shape, jnp.int32)] * 3),
                           interpret=not asm)(a, b, c, w)
 
 
@@ -32,7 +37,16 @@ def _inputs():
     return a, b, c, w
 
 
-def _check(f, o, a, b, c, w, *, rounded_once: bool):
+def _halves_minus(w, dtype, value):
+    """NumPy: both 16-bit floats of each word minus ``value``, rounded once (float64 holds the difference
+    exactly), repacked."""
+    halves = w.astype(np.uint32).view(np.uint16).reshape(*w.shape, 2).view(jnp.dtype(dtype))
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and infinite halves among the random words
+        diff = (halves.astype(np.float64) - value).astype(jnp.dtype(dtype))
+    return diff.view(np.uint16).reshape(*w.shape, 2).view(np.uint32).reshape(w.shape).view(np.int32)
+
+
+def _check(f, o, h_bf16, h_f16, a, b, c, w, *, rounded_once: bool):
     a, b, c, w = (np.asarray(v) for v in (a, b, c, w))
     # a·b + c rounded once (a float32 product is exact in float64); jnp rounds the product first
     want = (a.astype(np.float64) * b[:, None].astype(np.float64) + c).astype(np.float32)
@@ -41,6 +55,14 @@ def _check(f, o, a, b, c, w, *, rounded_once: bool):
     else:
         np.testing.assert_allclose(np.asarray(f), want, rtol=0, atol=2e-6)
     np.testing.assert_array_equal(np.asarray(o), w & MASK | BITS)
+    # random halves (NaNs aside) and the int4 kernels' pairs (offset + code: integers, exact either way)
+    for got, (dtype, value) in zip((h_bf16, h_f16), CENTRE.items()):
+        got, want = np.asarray(got), _halves_minus(w, dtype, value)
+        pairs = w & MASK | BITS if dtype == jnp.bfloat16 else w & MASK | 0x64006400
+        np.testing.assert_array_equal(_halves_minus(pairs, dtype, value),
+                                      np.asarray(inline_ptx.sub_halves(jnp.asarray(pairs), value, dtype, asm=False)))
+        finite = np.isfinite(want.view(np.uint16).view(jnp.dtype(dtype))).reshape(*w.shape, 2).all(-1)
+        np.testing.assert_array_equal(got[finite], want[finite])
 
 
 def test_jnp_forms_in_interpret_mode():
@@ -48,6 +70,8 @@ def test_jnp_forms_in_interpret_mode():
     _check(*_run(False, a, b, c, w), a, b, c, w, rounded_once=False)
     with pytest.raises(ValueError, match="constants"):
         inline_ptx.and_or(w, 0xFFFF0000, 0, asm=False)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        inline_ptx.sub_halves(w, 1.0, jnp.float32, asm=False)
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from minicpm_jax.io import int4_formats as int4
+from pallas_kernels import int4_codes
 from pallas_kernels import int4_matmul as kern
 from tests import helpers
 from tests.helpers import assert_close, random_gptq_tensors, random_weight
@@ -217,17 +218,22 @@ def test_plane_pairs_hold_every_code_exactly():
     words = (nibbles.astype(np.uint32) << (4 * np.arange(8, dtype=np.uint32))).sum(1, dtype=np.uint32)
     words = jnp.asarray(words.view(np.int32).reshape(4, 4))
     assert int(jnp.sum(words < 0)) == 8
-    for dtype, (magic, offset) in [(jnp.bfloat16, kern.PAIR_CODES[jnp.dtype(jnp.bfloat16)]),
-                                   (jnp.float16, kern.PAIR_CODES[jnp.dtype(jnp.float16)]),
-                                   (jnp.float32, kern.PAIR_CODES[jnp.dtype(jnp.bfloat16)])]:
+    for dtype, (magic, offset) in [(jnp.bfloat16, int4_codes.PAIR_CODES[jnp.dtype(jnp.bfloat16)]),
+                                   (jnp.float16, int4_codes.PAIR_CODES[jnp.dtype(jnp.float16)]),
+                                   (jnp.float32, int4_codes.PAIR_CODES[jnp.dtype(jnp.bfloat16)])]:
         for p in range(4):
-            lo, hi = kern.plane_pair(words, p, magic, dtype)
+            lo, hi = int4_codes.plane_pair(words, p, magic, dtype)
             assert lo.dtype == hi.dtype == dtype
             np.testing.assert_array_equal(np.asarray(lo, np.float64).reshape(16), offset + nibbles[:, p])
             np.testing.assert_array_equal(np.asarray(hi, np.float64).reshape(16), offset + nibbles[:, p + 4])
+            if dtype != jnp.float32:  # the 2..16-row kernel's centred pairs: q − 8
+                lo, hi = int4_codes.centred_pair(words, p, dtype)
+                assert lo.dtype == hi.dtype == dtype
+                np.testing.assert_array_equal(np.asarray(lo, np.float64).reshape(16), nibbles[:, p] - 8)
+                np.testing.assert_array_equal(np.asarray(hi, np.float64).reshape(16), nibbles[:, p + 4] - 8)
         if dtype == jnp.float32:  # the one-row kernel's unmasked high half carries the low half at 2^-16
             for p in range(4):
-                _, hi = kern.plane_pair(words, p, magic, dtype, raw_high=True)
+                _, hi = int4_codes.plane_pair(words, p, magic, dtype, raw_high=True)
                 want = offset + nibbles[:, p + 4] + (magic + nibbles[:, p]) / 65536
                 np.testing.assert_array_equal(np.asarray(hi, np.float64).reshape(16), want)
 
@@ -235,6 +241,7 @@ def test_plane_pairs_hold_every_code_exactly():
 # (k, n, group_size, sym, act_order, m, kernel, x dtype)
 _PAIR_CASES = [
     pytest.param(512, 128, 128, True, False, 12, "planes_t", jnp.bfloat16, id="dot_t-bf16-m12"),
+    pytest.param(512, 128, 128, True, False, 12, "planes", jnp.bfloat16, id="dot-bf16-m12"),
     pytest.param(512, 256, 128, False, True, 5, "planes", jnp.float16, id="dot-f16-asym-actorder"),
     pytest.param(256, 128, 64, False, False, 1, "planes", jnp.float16, id="gemv-f16-asym"),
     pytest.param(512, 128, 128, True, False, 1, "planes", jnp.bfloat16, id="gemv-bf16-sym"),
@@ -244,7 +251,8 @@ _PAIR_CASES = [
 @pytest.mark.parametrize("k,n,gs,sym,act_order,m,kernel,dtype", _PAIR_CASES)
 def test_int4_plane_kernels_with_16_bit_x_take_code_pairs(k, n, gs, sym, act_order, m, kernel, dtype):
     """16-bit x runs the plane kernels on code pairs (``offset + q``, the offset removed through the chunk sums
-    of x, which the one-row kernel adds from its planes itself): the float32 reference on the same 16-bit
+    of x, which the one-row kernel adds from its planes itself; ``planes``: centred, ``q − 8``, the chunk sums
+    only with zero points): the float32 reference on the same 16-bit
     inputs, to float32 accumulation plus, at one row, the unmasked high halves' residual (``PAIR_LOW_HALF``,
     ~1e-5 here; without its correction 8e-3 and more). The bf16 test above allows a bf16 result's rounding,
     which would hide a code off by one."""
@@ -284,7 +292,7 @@ def test_int4_default_kernel_choice():
     """One row, and 2..64 rows with scale groups of >= 128, take the plane kernels; the rest the tile
     kernel."""
     assert kern.default_kernel(1, 128) == kern.default_kernel(1, 32) == "planes"
-    assert kern.default_kernel(2, 128) == kern.default_kernel(16, 4096) == "planes_t"
+    assert kern.default_kernel(2, 128) == kern.default_kernel(16, 4096) == "planes"
     assert kern.default_kernel(17, 128) == kern.default_kernel(64, 128) == "planes_t"
     assert kern.default_kernel(65, 128) == "tile"
     assert kern.default_kernel(16, 64) == "tile"
