@@ -8,9 +8,10 @@ it bit for bit, ``fma`` up to the product's rounding (one rounding on the GPU, t
 * :func:`and_or`: ``(a & mask) | bits`` as one ``lop3.b32``. Written as jnp, ptxas emits two LOP3 instructions,
   one per constant (a SASS instruction takes one immediate); given one PTX instruction it keeps a constant in a
   register instead.
-* :func:`sub_halves`: a constant subtracted from both 16-bit floats of a word as one ``sub.bf16x2`` /
-  ``sub.f16x2``. The jnp form unpacks, subtracts in the 16-bit dtype and repacks (Triton would widen each half to
-  float32 and back).
+* :func:`sub_halves`: a constant subtracted from both 16-bit floats of a word as one ``sub.bf16x2`` (sm_90 on,
+  measured on H100/H200) / ``sub.f16x2``; below sm_90 bfloat16 takes ``fma.rn.bf16x2`` by 1 (sm_80; not yet run
+  on such a GPU). The jnp form unpacks, subtracts in the 16-bit dtype and repacks (Triton would widen each half
+  to float32 and back).
 
 All are pure and elementwise (Pallas' ``elementwise_inline_asm``; operands broadcast to one shape first).
 """
@@ -22,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.launch import compute_capability
 
 
 def _elementwise(asm: str, constraints: str, dtype, *args: jax.Array) -> jax.Array:
@@ -56,12 +59,22 @@ def sub_halves(a: jax.Array, value: float, dtype, *, asm: bool) -> jax.Array:
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"sub_halves takes bfloat16 or float16 halves; got {dtype}")
+    if float(np.asarray(value, dtype)) != value:
+        raise ValueError(f"sub_halves subtracts a value exact in {dtype}; got {value}")
     if not asm:
         lo = lax.bitcast_convert_type(a.astype(jnp.int16), dtype) - jnp.asarray(value, dtype)
         hi = lax.bitcast_convert_type((a >> 16).astype(jnp.int16), dtype) - jnp.asarray(value, dtype)
         return (lax.bitcast_convert_type(hi, jnp.int16).astype(jnp.int32) << 16
                 | lax.bitcast_convert_type(lo, jnp.uint16).astype(jnp.int32))
-    half = int(np.asarray(value, dtype).view(np.uint16))
-    op = "sub.bf16x2" if dtype == jnp.dtype(jnp.bfloat16) else "sub.f16x2"
-    # a packed operand takes no immediate: the constant goes through a scoped register (folded by ptxas)
-    return _elementwise(f"{{ .reg .b32 c; mov.b32 c, {half * 0x10001}; {op} $0, $1, c; }}", "=r,r", jnp.int32, a)
+    return _elementwise(sub_halves_ptx(value, dtype, compute_capability()), "=r,r", jnp.int32, a)
+
+
+def sub_halves_ptx(value: float, dtype, capability: tuple[int, int]) -> str:
+    """The PTX of :func:`sub_halves` for a GPU of ``capability``. Packed operands take no immediates: constants go
+    through scoped registers (folded by ptxas), as signed 32-bit literals (a negative half sets the sign bit)."""
+    def both(v):
+        return int(np.array([v, v], dtype).view(np.int32)[0])
+    if dtype == jnp.dtype(jnp.float16) or capability >= (9, 0):
+        op = "sub.f16x2" if dtype == jnp.dtype(jnp.float16) else "sub.bf16x2"
+        return f"{{ .reg .b32 c; mov.b32 c, {both(value)}; {op} $0, $1, c; }}"
+    return f"{{ .reg .b32 one, c; mov.b32 one, {both(1.0)}; mov.b32 c, {both(-value)}; fma.rn.bf16x2 $0, $1, one, c; }}"

@@ -40,10 +40,11 @@ def planes_x(x2: jax.Array, transpose: bool, dtype, scaled: bool = True) -> jax.
 # 16-bit code pairs (16-bit x): ``(w >> 4p) & 0x000F000F | magic·0x00010001`` holds two 16-bit floats,
 # ``offset + q_p`` (low half) and ``offset + q_{p+4}`` (high half), exactly (the code is OR-ed into the mantissa
 # of ``offset``, whose unit is 1): a shift and one AND-OR for two codes and no float instruction, where the
-# float32 planes (:func:`float32_plane`) take an AND-OR and a subtraction for each code and a conversion to x's dtype
-# for the tensor cores. The offset goes with the zero point: ``(z + offset)·s`` times the chunk's sum of x is
-# subtracted once per chunk. Its cancellation costs ~1e-6 relative in float32 accumulation, so float32 x (exact
-# tests) keeps the float32 planes.
+# float32 planes (:func:`float32_plane`) take an AND-OR and a subtraction for each code and a conversion to x's
+# dtype for the tensor cores. In ``planes_t`` and the one-row kernel the offset goes with the zero point:
+# ``(z + offset)·s`` times the chunk's sum of x is subtracted once per chunk. Its cancellation costs ~1e-6 relative
+# in float32 accumulation, so float32 x (exact tests) keeps the float32 planes. ``planes`` subtracts the offset
+# from the pair itself (:func:`centred_pair`).
 PAIR_CODES = {jnp.dtype(jnp.bfloat16): (0x4300, 128), jnp.dtype(jnp.float16): (0x6400, 1024)}
 
 # The one-row kernel reads the bfloat16 pair's word as the float32 of its high half unmasked (one instruction

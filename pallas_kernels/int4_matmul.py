@@ -10,7 +10,8 @@ Two kernels (``KERNELS``; :func:`default_kernel` picks one):
 * ``planes`` / ``planes_t`` (the default for 1..64 rows): a sub-block of ``8·r`` input rows
   (inside one scale group) is read as ``[r, block_n]`` words and handled as 8 nibble planes of
   ``[r, block_n]`` codes, each multiplied by the matching plane of x (x is split into planes outside,
-  ``x[8r + p]`` in plane p). One row (batch-1 decode): elementwise products accumulated in ``[r, block_n]``
+  ``x[8r + p]`` in plane p; for the centred code pairs, x's rows of nibbles p and p + 4 interleaved). One
+  row (batch-1 decode): elementwise products accumulated in ``[r, block_n]``
   and reduced over rows once at the end — a GEMV with K split over many programs (split-K), partial sums
   reduced by XLA. 2..64 rows: tensor-core dots of x's planes and the codes' per sub-block (``planes``, the
   default to 16 rows) or their transpose with the codes as the left operand (``planes_t``, 17..64 rows).
@@ -99,7 +100,7 @@ KERNELS = ("tile", "planes", "planes_t")
 # multiply-adds and mask-ors (H200, 2026-11-29, `--scenarios int4 --noxla_command_buffers`): one row 6.9 / 6.6 /
 # 29.7 / 16.9 µs for qkv / o / gate_up / down, where the launch sweep found nothing faster than this table
 # (docs/lab_notes/2026-11-29-forty-third-session.md). 2..16 rows with centred, K-adjacent pairs in `planes`
-# (H200, 2026-11-30, best of 2 in one process): 85.5 vs 95.8 µs a layer for `planes_t`; no launch of 16 tried
+# (H200, 2026-11-30, best of 2 in one process): 85.5 vs 95.8 µs a layer for `planes_t`; no launch of 15 tried
 # beat this entry (docs/lab_notes/2026-11-30-forty-fourth-session.md).
 PLANES_CONFIGS = {
     1: ("planes", Int4Config(block_m=1, block_n=64, block_k=256, num_warps=4, num_stages=2)),

@@ -72,6 +72,13 @@ def num_cores() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
+@functools.cache
+def compute_capability() -> tuple[int, int]:
+    """(major, minor) of the default GPU (9.0 on an H100); (9, 0) where it cannot be read."""
+    major, _, minor = str(getattr(jax.devices()[0], "compute_capability", "9.0")).partition(".")
+    return int(major), int(minor or 0)
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

@@ -74,6 +74,20 @@ def test_jnp_forms_in_interpret_mode():
         inline_ptx.sub_halves(w, 1.0, jnp.float32, asm=False)
 
 
+@pytest.mark.parametrize("dtype,capability,op", [(jnp.bfloat16, (9, 0), "sub.bf16x2"),
+                                                 (jnp.bfloat16, (8, 0), "fma.rn.bf16x2"),
+                                                 (jnp.float16, (8, 0), "sub.f16x2")])
+def test_sub_halves_ptx_per_gpu(dtype, capability, op):
+    """The packed subtraction's PTX: ``sub`` (bfloat16 from sm_90), else an fma by 1; its 32-bit literals hold
+    the constants in both halves (read back by NumPy)."""
+    value = CENTRE[dtype]
+    ptx = inline_ptx.sub_halves_ptx(value, jnp.dtype(dtype), capability)
+    assert f" {op} $0, $1, " in ptx and ptx.count(";") == ptx.count("mov.b32") + 2  # the .reg line, then op
+    literals = [int(t.split(",")[1].strip(" ;")) for t in ptx.split(";") if "mov.b32" in t]
+    halves = [np.array([v], np.int32).view(jnp.dtype(dtype)).astype(np.float64).tolist() for v in literals]
+    assert halves == ([[1.0, 1.0], [-value, -value]] if op.startswith("fma") else [[value, value]])
+
+
 @pytest.mark.gpu
 def test_gpu_one_instruction_forms_equal_jnp():
     a, b, c, w = _inputs()

@@ -242,6 +242,7 @@ def test_plane_pairs_hold_every_code_exactly():
 _PAIR_CASES = [
     pytest.param(512, 128, 128, True, False, 12, "planes_t", jnp.bfloat16, id="dot_t-bf16-m12"),
     pytest.param(512, 128, 128, True, False, 12, "planes", jnp.bfloat16, id="dot-bf16-m12"),
+    pytest.param(512, 256, 128, False, True, 7, "planes", jnp.bfloat16, id="dot-bf16-asym-actorder-m7"),
     pytest.param(512, 256, 128, False, True, 5, "planes", jnp.float16, id="dot-f16-asym-actorder"),
     pytest.param(256, 128, 64, False, False, 1, "planes", jnp.float16, id="gemv-f16-asym"),
     pytest.param(512, 128, 128, True, False, 1, "planes", jnp.bfloat16, id="gemv-bf16-sym"),
