@@ -218,8 +218,8 @@ def test_bench_sparse_smoke_on_cpu(tmp_path):
     """The sparse scenario times dense and InfLLM-v2 attention of one layer (prefill and decode) and
     writes its tables; e2e takes --sparse_modes."""
     out = tmp_path / "bench.json"
-    r = _bench("--scenarios", "sparse", "--shape", "minicpm4-tiny", "--sparse_prefill_contexts", "256",
-               "--sparse_decode_contexts", "256", "--sparse_decode_layers", "2", "--chunk_length", "128",
+    r = _bench("--scenarios", "sparse", "--shape", "minicpm4-tiny", "--sparse_prefill_contexts", "128",
+               "--sparse_decode_contexts", "128", "--sparse_decode_layers", "2", "--chunk_length", "64",
                "--repeats", "1", "--json_out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())["sparse"]
@@ -229,7 +229,7 @@ def test_bench_sparse_smoke_on_cpu(tmp_path):
                                                        "select_xla_pool", "stage2"}
     assert all(t[0] > 0 for t in result["decode"][0]["seconds"].values())
     assert result["decode"][0]["kernel_seconds"] == {"dense": None, "sparse": None}  # no GPU kernels on the CPU
-    assert "| 256 | 128 |" in r.stdout and "| decode context | blocks attended |" in r.stdout
+    assert "| 128 | 64 |" in r.stdout and "| decode context | blocks attended |" in r.stdout
     assert "(pooled in the kernel / in XLA)" in r.stdout  # the pooling selection kernel beside XLA pooling
     bad = _bench("--sparse_modes", "maybe", timeout=300)
     assert bad.returncode == 2 and "unknown maybe" in bad.stderr

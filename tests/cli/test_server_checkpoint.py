@@ -23,10 +23,11 @@ THINK_OFF = "<think>\n\n</think>\n\n"  # what MiniCPM4.1's template appends when
 
 
 @pytest.fixture(scope="module")
-def checkpoint(smollm2_dir, tmp_path_factory):
-    """The demo model with a thinking switch in its template and greedy recommended sampling."""
+def checkpoint(smollm2_2_layers_dir, tmp_path_factory):
+    """The demo model with a thinking switch in its template and greedy recommended sampling; cut to two
+    layers (its tokenizer, template and shapes): the claims are the server's settings, not the answers."""
     path = str(tmp_path_factory.mktemp("published") / "smollm2-thinking")
-    shutil.copytree(smollm2_dir, path)
+    shutil.copytree(smollm2_2_layers_dir, path)
     with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
         tok_cfg = json.load(f)
     template = tok_cfg.get("chat_template") or open(os.path.join(path, "chat_template.jinja"), encoding="utf-8").read()

@@ -6,6 +6,7 @@ decoding of its path. The kernels: ``tests/kernels/test_infllm_kernels.py``."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,20 @@ def _model(sparse="auto", impl="xla", config=None, max_length=MAX_LEN):
                               sparse=sparse)
 
 
+# The tree attention and its oracle's calls jitted, as the model runs them (op by op, the first case took
+# 20 s on the CPU, compiling each small op); the same programs serve the three prefixes.
+_extend = jax.jit(extend_compressed, static_argnums=(1, 4), static_argnames=("max_tokens", "kernels", "unrotate"))
+_sparse_attention = jax.jit(sparse_attention, static_argnums=(3, 6), static_argnames=("scale", "kernels"))
+_tree_sparse_attention = jax.jit(tree_sparse_attention, static_argnums=(6, 9),
+                                 static_argnames=("scale", "kernels", "unrotate"))
+
+
+@functools.cache
+def _unrotate():
+    """use_nope's inverse RoPE of the tiny config (head_dim 16), one function for every case."""
+    return rope_inverse(jnp.asarray(1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16), jnp.float32), 1.0)
+
+
 @pytest.mark.parametrize("impl,use_nope", [("xla", False), ("pallas", False), ("xla", True)])
 @pytest.mark.parametrize("prefix", [45, 62, 70])
 def test_tree_sparse_attention_equals_plain_sparse_decoding_of_each_path(impl, use_nope, prefix):
@@ -51,7 +66,7 @@ def test_tree_sparse_attention_equals_plain_sparse_decoding_of_each_path(impl, u
     forced local blocks holding the path, and the LSE merge of prefix blocks and tree keys."""
     sp = dataclasses.replace(SMALL, topk=4, use_nope=use_nope)  # 2 free picks besides the init and 3 local blocks
     # use_nope: selection on pre-RoPE q and keys (keys recovered by rotating the cached ones back)
-    unrotate = rope_inverse(jnp.asarray(1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16), jnp.float32), 1.0) if use_nope else None
+    unrotate = _unrotate() if use_nope else None
     cfg = ModelConfig.from_dict(helpers.tiny_minicpm_config())
     b, kvh, h, d, s, t = 1, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim, 96, 12
     rng = np.random.default_rng(prefix)
@@ -66,27 +81,27 @@ def test_tree_sparse_attention_equals_plain_sparse_decoding_of_each_path(impl, u
     tree_v = rng.standard_normal((b, t, kvh, d)).astype(np.float32)
     base = dataclasses.replace(cache, k=jnp.asarray(k), v=jnp.asarray(v))
     xla = backend.get("xla")
-    base = extend_compressed(base, 1, jnp.zeros(b, jnp.int32), jnp.full(b, prefix, jnp.int32), sp, max_tokens=s,
-                             kernels=xla, unrotate=unrotate)
+    base = _extend(base, 1, jnp.zeros(b, jnp.int32), jnp.full(b, prefix, jnp.int32), sp, max_tokens=s, kernels=xla,
+                   unrotate=unrotate)
     pre = jnp.full((b,), prefix, jnp.int32)
     tree_cache = dataclasses.replace(
         base, k=base.k.at[1, 0, :, prefix:prefix + t].set(jnp.asarray(tree_k[0]).transpose(1, 0, 2)),
         v=base.v.at[1, 0, :, prefix:prefix + t].set(jnp.asarray(tree_v[0]).transpose(1, 0, 2)))
-    got = np.asarray(tree_sparse_attention(jnp.asarray(q), jnp.asarray(q_sel), jnp.asarray(tree_k),
-                                           jnp.asarray(tree_v), jnp.asarray(mask[None]), tree_cache, 1, pre,
-                                           jnp.asarray(depth[None], jnp.int32), sp, scale=d**-0.5,
-                                           kernels=backend.get(impl), unrotate=unrotate))
+    got = np.asarray(_tree_sparse_attention(jnp.asarray(q), jnp.asarray(q_sel), jnp.asarray(tree_k),
+                                            jnp.asarray(tree_v), jnp.asarray(mask[None]), tree_cache, 1, pre,
+                                            jnp.asarray(depth[None], jnp.int32), sp, scale=d**-0.5,
+                                            kernels=backend.get(impl), unrotate=unrotate))
     closes = False
     for i in range(t):
         path = sorted(np.nonzero(mask[i])[0], key=lambda j: depth[j])
         pos = prefix + depth[i]
         ck = base.k.at[1, 0, :, prefix:pos + 1].set(jnp.asarray(tree_k[0, path]).transpose(1, 0, 2))
         cv = base.v.at[1, 0, :, prefix:pos + 1].set(jnp.asarray(tree_v[0, path]).transpose(1, 0, 2))
-        c = extend_compressed(dataclasses.replace(base, k=ck, v=cv), 1, pre, jnp.full((b,), pos + 1, jnp.int32), sp,
-                              max_tokens=8, kernels=xla, unrotate=unrotate)
-        want = sparse_attention(jnp.asarray(q[:, i:i + 1]), jnp.asarray(q_sel[:, i:i + 1]), c, 1,
-                                jnp.full((b, 1), pos, jnp.int32), jnp.full((b,), pos + 1, jnp.int32), sp,
-                                scale=d**-0.5, kernels=xla)
+        c = _extend(dataclasses.replace(base, k=ck, v=cv), 1, pre, jnp.full((b,), pos + 1, jnp.int32), sp,
+                    max_tokens=8, kernels=xla, unrotate=unrotate)
+        want = _sparse_attention(jnp.asarray(q[:, i:i + 1]), jnp.asarray(q_sel[:, i:i + 1]), c, 1,
+                                 jnp.full((b, 1), pos, jnp.int32), jnp.full((b,), pos + 1, jnp.int32), sp,
+                                 scale=d**-0.5, kernels=xla)
         np.testing.assert_allclose(got[:, i], np.asarray(want)[:, 0], rtol=1e-4, atol=1e-5, err_msg=f"node {i}")
         closes |= pos + 1 >= ((prefix - sp.kernel_size2) // sp.kernel_stride2 + 1) * sp.kernel_stride2 + sp.kernel_size2
     assert closes  # some node's path closes a coarse window (its own copy joins the LSE)
@@ -122,18 +137,18 @@ def test_compressed_caches_extend_exactly_over_a_300_token_decode():
 
 
 def test_sparse_equals_dense_below_dense_len_and_when_topk_covers_every_block():
-    ids = _ids(100)
+    ids = _ids(89)  # the length of the prefill below: the sparse model's 89-token program is compiled once
     dense = _model(sparse="off")
     want, _, _ = _forward(dense, dense.new_cache(1), ids)
     # (1) context below dense_len: the dense path
     below = _model(sparse=dataclasses.replace(SMALL, dense_len=101))
     got, _, _ = _forward(below, below.new_cache(1), ids)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
-    # (2) sparse from token 32 on, but topk covers all 13 blocks
+    # (2) sparse from token 32 on, but topk covers all 12 blocks
     covered = _model(sparse=dataclasses.replace(SMALL, topk=16))
     got, _, cache = _forward(covered, covered.new_cache(1), ids)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
-    # (3) the real selection (5 of up to 13 blocks) differs past position 5*8 = 40
+    # (3) the real selection (5 of up to 12 blocks) differs past position 5*8 = 40
     sparse = _model()
     got, _, _ = _forward(sparse, sparse.new_cache(1), ids)
     np.testing.assert_allclose(np.asarray(got[:, :40]), np.asarray(want[:, :40]), atol=1e-5)
@@ -155,23 +170,25 @@ def test_sparse_prefill_last_logits_equal_sparse_decode(impl):
 
 
 def test_pallas_sparse_model_matches_xla():
-    ids = _ids(100, seed=5)
-    ref, _, _ = (m := _model(impl="xla"))(ids, m.new_cache(1))
-    got, _, _ = (m := _model(impl="pallas"))(ids, m.new_cache(1))
+    """Every position of an 89-token prompt (sparse from 32, selection deciding past 40), jitted as the engine
+    runs the model: the two programs of the prefill test above (eagerly, op by op, this took 20 s)."""
+    ids = _ids(89, seed=5)
+    ref, _, _ = _forward(m := _model(impl="xla"), m.new_cache(1), ids)
+    got, _, _ = _forward(m := _model(impl="pallas"), m.new_cache(1), ids)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5)
 
 
 def test_use_nope_selects_on_pre_rope_keys():
     """With use_nope the compressed caches hold means of pre-RoPE keys (recovered by rotating back)."""
     model = _model(sparse=dataclasses.replace(SMALL, use_nope=True))
-    ids = _ids(60, seed=6)
+    ids = _ids(89, seed=6)  # the dense model's 89-token program: compiled above
     a, _, cache = _forward(model, model.new_cache(1), ids)
     attn = model.model.layers[0].self_attn
     cfg = model.config
     x = model.model.layers[0].input_layernorm(
         model.model.embed_tokens(ids).astype(jnp.float32) * cfg.scale_emb)
     nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    k_nope = np.asarray(attn.qkv_proj(x)[0, :, nq:nq + nkv].reshape(60, cfg.num_kv_heads, cfg.head_dim))
+    k_nope = np.asarray(attn.qkv_proj(x)[0, :, nq:nq + nkv].reshape(89, cfg.num_kv_heads, cfg.head_dim))
     for g in range(cfg.num_kv_heads):
         want = np_compress(k_nope[:, g], SMALL.kernel_size, SMALL.kernel_stride)
         np.testing.assert_allclose(np.asarray(cache.k1[0, 0, g, : len(want)]), want, rtol=1e-4, atol=1e-5)
