@@ -90,7 +90,8 @@ def _write_call(k_cache, v_cache, k_new, v_new, slots, cache_spec, name, interpr
       k_cache, v_cache)
 
 
-def _check_new(k_new, v_new, slots):
+def check_new(k_new, v_new, slots):
+    """ValueError unless values and slots match the new keys' ``[B, T, ...]``."""
     if v_new.shape != k_new.shape or slots.shape != k_new.shape[:2]:
         raise ValueError(f"values {v_new.shape} / slots {slots.shape} do not match keys {k_new.shape}")
 
@@ -101,7 +102,7 @@ def cache_write(k_cache, v_cache, k_new, v_new, slots, *, layer: int, interpret:
     b, t, h, d = k_new.shape
     if k_cache.shape[1:3] != (b, h) or k_cache.shape[4] != d or v_cache.shape != k_cache.shape:
         raise ValueError(f"new keys {k_new.shape} do not fit the cache {k_cache.shape}")
-    _check_new(k_new, v_new, slots)
+    check_new(k_new, v_new, slots)
     if t > MAX_KERNEL_TOKENS:
         return cache_write_reference(k_cache, v_cache, k_new, v_new, slots, layer=layer)
     spec = pl.BlockSpec((None, None, None, k_cache.shape[3], d), lambda i, j, n: (layer, i, n, 0, 0))
@@ -114,7 +115,7 @@ def paged_cache_write(k_pages, v_pages, k_new, v_new, slots, *, layer: int, inte
     b, t, h, d = k_new.shape
     if k_pages.ndim != 4 or k_pages.shape[1] != h or k_pages.shape[3] != d or v_pages.shape != k_pages.shape:
         raise ValueError(f"new keys {k_new.shape} do not fit the paged pool {k_pages.shape}")
-    _check_new(k_new, v_new, slots)
+    check_new(k_new, v_new, slots)
     if t > MAX_KERNEL_TOKENS:
         return paged_cache_write_reference(k_pages, v_pages, k_new, v_new, slots, layer=layer)
     # Program (b, t, h) writes into KV head h's [N, D] slice of the layer, whichever row it serves.

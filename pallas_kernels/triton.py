@@ -31,12 +31,14 @@ from pallas_kernels.launch import is_power_of_2
 from pallas_kernels.matmul import matmul
 # No collective kernel yet: the reference (XLA's all-reduce, then the add and the norm XLA fuses).
 from pallas_kernels.residual import residual_add, residual_add_norm
+from pallas_kernels.rope_write import paged_rope_write, rope_write
 from pallas_kernels.tree_attention import paged_tree_attention, tree_attention
 
 __all__ = ["attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul",
            "matmul", "paged_attention", "paged_block_sparse_attention", "paged_cache_write", "paged_compress_windows",
-           "paged_select_blocks", "paged_sparse_attention", "paged_tree_attention", "residual_add",
-           "residual_add_norm", "select_blocks", "sparse_attention", "tree_attention", "tree_merge_attention"]
+           "paged_rope_write", "paged_select_blocks", "paged_sparse_attention", "paged_tree_attention", "residual_add",
+           "residual_add_norm", "rope_write", "select_blocks", "sparse_attention", "tree_attention",
+           "tree_merge_attention"]
 
 # Query tokens per row up to which sparse_attention takes the decode path (selection + attention in one
 # kernel, after the two stage-1 passes: four launches in all).

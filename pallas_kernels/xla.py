@@ -30,13 +30,16 @@ from pallas_kernels.paged import paged_attention_reference as paged_attention
 from pallas_kernels.paged import paged_tree_attention_reference as paged_tree_attention
 from pallas_kernels.residual import residual_add_norm_reference as residual_add_norm
 from pallas_kernels.residual import residual_add_reference as residual_add
+from pallas_kernels.rope_write import paged_rope_write_reference as paged_rope_write
+from pallas_kernels.rope_write import rope_write_reference as rope_write
 from pallas_kernels.topk import top_k
 from pallas_kernels.tree_attention import tree_attention_reference as tree_attention
 
 __all__ = ["attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul",
            "matmul", "paged_attention", "paged_block_sparse_attention", "paged_cache_write", "paged_compress_windows",
-           "paged_select_blocks", "paged_sparse_attention", "paged_tree_attention", "residual_add",
-           "residual_add_norm", "select_blocks", "sparse_attention", "tree_attention", "tree_merge_attention"]
+           "paged_rope_write", "paged_select_blocks", "paged_sparse_attention", "paged_tree_attention", "residual_add",
+           "residual_add_norm", "rope_write", "select_blocks", "sparse_attention", "tree_attention",
+           "tree_merge_attention"]
 
 
 def compress_windows(k: jax.Array, k1: jax.Array, k2: jax.Array, old_lengths: jax.Array, new_lengths: jax.Array, *,

@@ -19,9 +19,10 @@ from minicpm_jax.infllm.compressed import extend_compressed
 from minicpm_jax.model.cache import KVCache, TreeInputs
 from minicpm_jax.model.layers import make_linear
 from minicpm_jax.model.parallel import EMBED, HEADS, QKV, TensorParallel
-from minicpm_jax.model.rope import apply_rope, rope_frequencies, rope_inverse
+from minicpm_jax.model.rope import rope_frequencies, rope_inverse, rope_tables
 from minicpm_jax.quant import QuantSpec
 from pallas_kernels import backend
+from pallas_kernels.rope_write import rotate
 
 
 ATTENTION_CHOICES = backend.CHOICES
@@ -113,21 +114,19 @@ class Attention(nnx.Module):
         ops = self.kernels
         b, t, _ = x.shape
         d = cfg.head_dim
-        nq, nkv = self.q_heads * d, self.kv_heads * d
-        qkv = self.qkv_proj(x)
-        q = qkv[..., :nq].reshape(b, t, self.q_heads, d)
-        k = qkv[..., nq : nq + nkv].reshape(b, t, self.kv_heads, d)
-        v = qkv[..., nq + nkv :].reshape(b, t, self.kv_heads, d)
+        nq = self.q_heads * d
+        heads = self.qkv_proj(x).reshape(b, t, self.q_heads + 2 * self.kv_heads, d)  # q, k, v heads
         inv_freq, rope_scale = self._rope()
-        q_nope = q
-        q = apply_rope(q, positions, inv_freq, rope_scale)
-        k = apply_rope(k, positions, inv_freq, rope_scale)
+        cos, sin = rope_tables(positions, inv_freq, rope_scale)  # the same tables in every layer (XLA: once)
         sp = self.sparse
 
         def select():  # InfLLM-v2's selection queries: scores are summed over a KV head's whole group
-            qs = q_nope if sp.use_nope else q
+            qs = heads[:, :, : self.q_heads] if sp.use_nope else q
             return qs if self.tp is None else self.tp.group_queries(qs)
         if tree is not None:
+            q = rotate(heads[:, :, : self.q_heads], cos, sin)
+            k = rotate(heads[:, :, self.q_heads : self.q_heads + self.kv_heads], cos, sin)
+            v = heads[:, :, self.q_heads + self.kv_heads :]
             cache = cache.write_tree(self.layer, k, v, tree, valid, ops)
             dense_tree = lambda: cache.attend_tree(self.layer, q, tree, ops, scale=d**-0.5)  # noqa: E731
             if sp is None or mode == "dense":
@@ -146,7 +145,8 @@ class Attention(nnx.Module):
                     use = positions + 1 >= sp.dense_len
                     out = jnp.where(use[:, :, None, None], sparse_out, dense_tree())
             return self.o_proj.partial(out.reshape(b, t, nq)), cache
-        cache = cache.write(self.layer, k, v, positions, valid, ops)
+        # Rotation and the cache write in one op: one launch a decode step (pallas_kernels.rope_write).
+        q, cache = cache.write_rotated(self.layer, heads, self.q_heads, cos, sin, positions, valid, ops)
         dense = lambda: cache.attend(self.layer, q, positions, kv_lengths, ops, scale=d**-0.5)  # noqa: E731
         if sp is None or mode == "dense":
             out = dense()

@@ -124,9 +124,20 @@ class KVCache:
         Tokens with ``valid[B, T] == False`` (chunk padding, finished sequences) are dropped, so they can
         never overwrite live entries, even at the end of the buffer.
         """
-        slots = jnp.where(valid, positions, self.max_length)  # out of bounds -> dropped
-        k, v = ops.cache_write(self.k, self.v, k_new, v_new, slots, layer=layer)
+        k, v = ops.cache_write(self.k, self.v, k_new, v_new, self._slots(positions, valid), layer=layer)
         return dataclasses.replace(self, k=k, v=v)
+
+    def _slots(self, positions: jax.Array, valid: jax.Array) -> jax.Array:
+        return jnp.where(valid, positions, self.max_length)  # out of bounds -> dropped
+
+    def write_rotated(self, layer: int, qkv: jax.Array, q_heads: int, cos: jax.Array, sin: jax.Array,
+                      positions: jax.Array, valid: jax.Array, ops: ModuleType) -> tuple[jax.Array, "KVCache"]:
+        """:meth:`write` of the keys and values of a linear's heads ``qkv [B, T, q_heads + 2·kv_heads, D]``
+        (q, k, v), q and k rotated by the RoPE tables ``cos, sin [B, T, D/2]`` first (``ops.rope_write``: one
+        launch for decode steps); returns (q rotated ``[B, T, q_heads, D]``, the cache)."""
+        q, k, v = ops.rope_write(self.k, self.v, qkv, cos, sin, self._slots(positions, valid), layer=layer,
+                                 q_heads=q_heads)
+        return q, dataclasses.replace(self, k=k, v=v)
 
     def attend(self, layer: int, q: jax.Array, positions: jax.Array, kv_lengths: jax.Array, ops: ModuleType, *,
                scale: float) -> jax.Array:

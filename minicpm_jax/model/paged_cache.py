@@ -145,10 +145,20 @@ class PagedKVCache:
               ops: ModuleType) -> "PagedKVCache":
         """Stores ``k_new, v_new [B, T, kv_heads, head_dim]`` at ``positions [B, T]`` of each row (through its
         page table); tokens with ``valid[B, T] == False`` or at or past ``max_length`` are dropped."""
-        keep = valid & (positions >= 0) & (positions < self.max_length)
-        slots = jnp.where(keep, self.slots_of(positions), self.k.shape[2])  # out of bounds -> dropped
-        k, v = ops.paged_cache_write(self.k, self.v, k_new, v_new, slots, layer=layer)
+        k, v = ops.paged_cache_write(self.k, self.v, k_new, v_new, self._slots(positions, valid), layer=layer)
         return dataclasses.replace(self, k=k, v=v)
+
+    def _slots(self, positions: jax.Array, valid: jax.Array) -> jax.Array:
+        keep = valid & (positions >= 0) & (positions < self.max_length)
+        return jnp.where(keep, self.slots_of(positions), self.k.shape[2])  # out of bounds -> dropped
+
+    def write_rotated(self, layer: int, qkv: jax.Array, q_heads: int, cos: jax.Array, sin: jax.Array,
+                      positions: jax.Array, valid: jax.Array, ops: ModuleType) -> tuple[jax.Array, "PagedKVCache"]:
+        """:meth:`write` of a linear's heads ``qkv [B, T, q_heads + 2·kv_heads, D]`` with q and k rotated
+        first (``ops.paged_rope_write``), as :meth:`KVCache.write_rotated`; returns (q rotated, the cache)."""
+        q, k, v = ops.paged_rope_write(self.k, self.v, qkv, cos, sin, self._slots(positions, valid), layer=layer,
+                                       q_heads=q_heads)
+        return q, dataclasses.replace(self, k=k, v=v)
 
     def attend(self, layer: int, q: jax.Array, positions: jax.Array, kv_lengths: jax.Array, ops: ModuleType, *,
                scale: float) -> jax.Array:

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minicpm_jax.rope_config import RopeConfig
+from pallas_kernels.rope_write import rotate
 
 
 def rope_frequencies(
@@ -79,15 +80,16 @@ def yarn_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float
     return freq / factor * (1 - keep) + freq * keep, float(attention)
 
 
+def rope_tables(positions: jnp.ndarray, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """``cos, sin`` float32 ``[B, T, D/2]`` of ``positions[B, T]`` (int32), times the attention ``scale``: what
+    :func:`~pallas_kernels.rope_write.rotate` (and the fused RoPE + cache-write kernel) rotate by."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
 def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray, scale: float = 1.0) -> jnp.ndarray:
     """Rotates ``x[B, T, heads, head_dim]`` by ``positions[B, T]`` (int32); math in fp32, result in x.dtype."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
-    cos = (jnp.cos(angles) * scale)[:, :, None, :]
-    sin = (jnp.sin(angles) * scale)[:, :, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    return rotate(x, *rope_tables(positions, inv_freq, scale))
 
 
 def rope_inverse(inv_freq: np.ndarray, scale: float):

@@ -57,11 +57,11 @@ def test_names_resolve_as_documented():
 
 
 def test_the_model_runs_every_op_through_its_backend(monkeypatch):
-    """An int4 model built with ``xla`` calls the xla namespace's attention, KV writer and int4 matmul
+    """An int4 model built with ``xla`` calls the xla namespace's attention, RoPE + KV writer and int4 matmul
     (counted by wrapping them); the pallas namespace is never touched."""
     calls = {}
     for ns in (xla, triton):
-        for op in ("attention", "cache_write", "int4_matmul"):
+        for op in ("attention", "rope_write", "int4_matmul"):
             fn = getattr(ns, op)
 
             def counted(*a, _fn=fn, _key=(ns.__name__, op), **k):
@@ -75,7 +75,7 @@ def test_the_model_runs_every_op_through_its_backend(monkeypatch):
     logits, _, _ = model(jnp.asarray([[1, 2, 3]]), model.new_cache(1))
     assert np.isfinite(np.asarray(logits)).all()
     layers = config.num_layers
-    assert calls == {("pallas_kernels.xla", "attention"): layers, ("pallas_kernels.xla", "cache_write"): layers,
+    assert calls == {("pallas_kernels.xla", "attention"): layers, ("pallas_kernels.xla", "rope_write"): layers,
                      ("pallas_kernels.xla", "int4_matmul"): 4 * layers}
 
 
