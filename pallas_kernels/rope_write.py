@@ -53,7 +53,8 @@ def _split(qkv: jax.Array, q_heads: int) -> tuple[jax.Array, jax.Array, jax.Arra
 
 def rotate_then_write(write, k_cache, v_cache, qkv, cos, sin, slots, *, layer: int, q_heads: int):
     """q and k rotated by :func:`rotate`, then ``write`` (an op of :mod:`pallas_kernels.cache_write`'s
-    signature: its reference's scatters, or its kernel: the launches XLA runs without this module's)."""
+    signature: its reference's scatters; its kernel gives the launches a step ran before this module, which
+    the forty-fifth session's A/B measured against)."""
     q, k, v = _split(qkv, q_heads)
     k_cache, v_cache = write(k_cache, v_cache, rotate(k, cos, sin), v, slots, layer=layer)
     return rotate(q, cos, sin), k_cache, v_cache
@@ -75,7 +76,12 @@ def _rope_write_kernel(slot_ref, cos_ref, sin_ref, x_ref, vn_ref, _k_in, _v_in, 
                        q_heads: int, tokens: int, max_length: int):
     """Program (b, t, h): ``x_ref`` is head h of token t of row b (a query head below ``q_heads``, else key
     head ``h − q_heads``); ``vn_ref`` the matching value head (a key program's); ``k_ref``/``v_ref`` the
-    ``[max_length, D]`` slice the key head is stored into."""
+    ``[max_length, D]`` slice the key head is stored into.
+
+    Query programs are handed KV head 0's cache slice and key programs the last query head's output block,
+    which they never store to: Triton writes only what a program stores (interpret mode copies each block
+    out and back unchanged, in grid order). A backend that writes output blocks back by itself needs a grid
+    split by role instead."""
     h = pl.program_id(2)
     half = cos_ref.shape[-1]
     c, s = cos_ref[...], sin_ref[...]

@@ -117,14 +117,15 @@ class Attention(nnx.Module):
         nq = self.q_heads * d
         heads = self.qkv_proj(x).reshape(b, t, self.q_heads + 2 * self.kv_heads, d)  # q, k, v heads
         inv_freq, rope_scale = self._rope()
-        cos, sin = rope_tables(positions, inv_freq, rope_scale)  # the same tables in every layer (XLA: once)
+        cos, sin = rope_tables(positions, inv_freq, rope_scale)  # the same tables in every layer
+        q_nope = heads[:, :, : self.q_heads]
         sp = self.sparse
 
-        def select():  # InfLLM-v2's selection queries: scores are summed over a KV head's whole group
-            qs = heads[:, :, : self.q_heads] if sp.use_nope else q
+        def select(q):  # InfLLM-v2's selection queries: scores are summed over a KV head's whole group
+            qs = q_nope if sp.use_nope else q
             return qs if self.tp is None else self.tp.group_queries(qs)
         if tree is not None:
-            q = rotate(heads[:, :, : self.q_heads], cos, sin)
+            q = rotate(q_nope, cos, sin)
             k = rotate(heads[:, :, self.q_heads : self.q_heads + self.kv_heads], cos, sin)
             v = heads[:, :, self.q_heads + self.kv_heads :]
             cache = cache.write_tree(self.layer, k, v, tree, valid, ops)
@@ -136,7 +137,7 @@ class Attention(nnx.Module):
                     raise ValueError("sparse tree attention verifies a whole tree at once (no offset or window)")
                 dtype = cache.k.dtype
                 sparse_out = tree_sparse_attention(
-                    q, select(), k.astype(dtype), v.astype(dtype), tree.mask, cache, self.layer,
+                    q, select(q), k.astype(dtype), v.astype(dtype), tree.mask, cache, self.layer,
                     tree.prefix, positions - tree.prefix[:, None], sp, scale=d**-0.5, kernels=ops,
                     unrotate=self._unrotate(inv_freq, rope_scale))
                 if mode == "sparse":
@@ -154,7 +155,7 @@ class Attention(nnx.Module):
             cache = extend_compressed(cache, self.layer, positions[:, 0], kv_lengths, sp, max_tokens=t, kernels=ops,
                                       unrotate=self._unrotate(inv_freq, rope_scale))
             sparse_fn = lambda: sparse_attention(  # noqa: E731
-                q, select(), cache, self.layer, positions, kv_lengths, sp, scale=d**-0.5, kernels=ops)
+                q, select(q), cache, self.layer, positions, kv_lengths, sp, scale=d**-0.5, kernels=ops)
             if mode == "sparse":
                 out = sparse_fn()
             else:
