@@ -54,10 +54,12 @@ class PrefillChunk:
 
 class Compiled:
     """Jitted functions compiled ahead of time per argument shapes and static arguments, so compilation is
-    timed apart from the work (``compile_time``, seconds over the object's life)."""
+    timed apart from the work (``compile_time``, seconds over the object's life). compiler_options: XLA
+    options for every compile (None: the process's ``XLA_FLAGS``)."""
 
-    def __init__(self, jitted: dict):
+    def __init__(self, jitted: dict, compiler_options: dict | None = None):
         self.jitted = jitted
+        self.compiler_options = compiler_options
         self.executables: dict = {}
         self.compile_time = 0.0
 
@@ -67,7 +69,8 @@ class Compiled:
         exe = self.executables.get(full_key)
         if exe is None:
             t = time.perf_counter()
-            exe = self.executables[full_key] = self.jitted[name].lower(*args, **static).compile()
+            lowered = self.jitted[name].lower(*args, **static)
+            exe = self.executables[full_key] = lowered.compile(self.compiler_options)
             self.compile_time += time.perf_counter() - t
         return exe(*args)
 
@@ -161,10 +164,16 @@ def decode_rows(graphdef, state, cache, ds: DecodeState, idx, *, num_steps: int,
     return cache, ds, tokens, lps
 
 
-def on_flat_params(fn, graphdef, treedef, params: list, *args, **kwargs):
-    """``fn(graphdef, state, *args, **kwargs)`` with the model's nnx State rebuilt from ``params``, its
-    leaves in ``treedef``'s order (a jitted program's parameters as a flat list of arrays)."""
-    return fn(graphdef, jax.tree.unflatten(treedef, params), *args, **kwargs)
+def on_flat_params(fn, graphdef, treedef, **bound):
+    """``program(params, *args, **kwargs) = fn(graphdef, state, *args, **bound, **kwargs)`` with the model's nnx
+    State rebuilt from ``params``, its leaves in ``treedef``'s order (a jitted program's parameters as a flat
+    list of arrays). The program has ``fn``'s name, so its HLO module does (``jit_decode_steps``: what a profile
+    tells programs apart by)."""
+    def program(params: list, *args, **kwargs):
+        return fn(graphdef, jax.tree.unflatten(treedef, params), *args, **bound, **kwargs)
+
+    program.__name__ = program.__qualname__ = fn.__name__
+    return program
 
 
 # ------------------------------------------------------------------------------------------ plain decode
@@ -191,7 +200,7 @@ class PlainSteps:
         # specs, everything else replicated); the first token needs no model: a plain replicated jit.
         mesh, c, r = model.mesh, model.cache_specs(page_size), REPLICATED
         s = treedef.flatten_up_to(model.param_specs(state))
-        model_fn = lambda fn, **kw: functools.partial(on_flat_params, fn, self.graphdef, treedef, **kw)  # noqa: E731
+        model_fn = lambda fn, **kw: on_flat_params(fn, self.graphdef, treedef, **kw)  # noqa: E731
         prefill = spmd(mesh, model_fn(prefill_chunk), (s, c, r, r, r), (c, r))
         rows = spmd(mesh, model_fn(prefill_rows), (s, c, r, r, r), (c, r))
         outs = lambda logprobs=0, **_: (c, r, r, r) if logprobs else (c, r, r)  # noqa: E731

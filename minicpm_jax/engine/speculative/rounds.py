@@ -45,6 +45,12 @@ from pallas_kernels.topk import top_k
 from pallas_kernels.tree_attention import MAX_TREE_NODES
 
 
+# The ``jax.named_scope`` of each part of a round (draft, verify, accept, compact; the stop checks and state
+# updates after them have none): a profile attributes each kernel to its part by its op path
+# (``benchmarks/spec.py``'s split of a round).
+ROUND_PHASES = ("spec_draft", "spec_verify", "spec_accept", "spec_compact")
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     """Tree settings (CPM.cu's run defaults).
@@ -243,38 +249,44 @@ def run_round(model, draft, head, ids, cache: KVCache, ds: DecodeState, st: Spec
     window = spec.window_size or None
     if draft.own_head:  # EAGLE-3: draft ids -> target ids
         ids = draft.target_ids()
-    h_last, dcache = catch_up(model, draft, st, window)
-    # Tree (node 0 = root).
-    if n > 1:
-        c_tok, c_depth, c_parent, c_score, dcache = expand_tree(model, draft, dcache, h_last, head, ids, spec, window)
-        tokens = jnp.concatenate([ds.tok[:, None], c_tok], axis=1)
-        depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), c_depth], axis=1)
-        parent = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), c_parent], axis=1)
-        score = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), c_score], axis=1)
-    else:
-        tokens, depth, parent, score = ds.tok[:, None], jnp.zeros((b, 1), jnp.int32), jnp.zeros((b, 1), jnp.int32), jnp.zeros((b, 1))
-    tree = DraftTree(tokens, depth, parent, score, tree_masks(parent, spec.num_iter))
+    with jax.named_scope(ROUND_PHASES[0]):
+        h_last, dcache = catch_up(model, draft, st, window)
+        # Tree (node 0 = root).
+        if n > 1:
+            c_tok, c_depth, c_parent, c_score, dcache = expand_tree(model, draft, dcache, h_last, head, ids, spec,
+                                                                    window)
+            tokens = jnp.concatenate([ds.tok[:, None], c_tok], axis=1)
+            depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), c_depth], axis=1)
+            parent = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), c_parent], axis=1)
+            score = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), c_score], axis=1)
+        else:
+            tokens, depth = ds.tok[:, None], jnp.zeros((b, 1), jnp.int32)
+            parent, score = jnp.zeros((b, 1), jnp.int32), jnp.zeros((b, 1))
+        tree = DraftTree(tokens, depth, parent, score, tree_masks(parent, spec.num_iter))
     prefix = cache.lengths
-    hidden, features, cache = target_forward(model, draft, tokens, cache, jnp.where(active, n, 0), mode=mode,
-                                             tree=(depth, tree.mask))
-    logits = model.logits(hidden)
-    # The target's token at every node: argmax, or an independent draw per node.
-    steps = ds.n_gen[:, None] * MAX_TREE_NODES + jnp.arange(n, dtype=jnp.int32)[None, :]
-    rep = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
-    target = sample(logits.reshape(b * n, -1), rep(ds.keys), steps.reshape(-1), rep(ds.temperature), rep(ds.top_k),
-                    rep(ds.top_p), sampling).reshape(b, n)
-    # Nodes past the end of the cache were not stored: never accepted (a full tree needs no free room).
-    stored = prefix[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :] < cache.max_length
-    correct = accept(tree, target, stored)
-    accepted_node = ~jnp.any(tree.mask & ~correct[:, None, :], axis=2)  # all ancestors (and itself) correct
-    end = jnp.argmax(jnp.where(accepted_node, depth, -1), axis=1)  # deepest accepted node
-    n_acc = jnp.take_along_axis(depth, end[:, None], axis=1)[:, 0] + 1
-    on_path = jnp.take_along_axis(tree.mask, end[:, None, None], axis=1)[:, 0]  # [B, N]
-    levels = jnp.arange(a_max, dtype=jnp.int32)
-    path = jnp.argmax(on_path[:, None, :] & (depth[:, None, :] == levels[None, :, None]), axis=2).astype(jnp.int32)
-    emitted = jnp.take_along_axis(target, path, axis=1)  # [B, A]; valid below n_acc
-    cache = cache.commit_path(prefix, path, jnp.where(active, n_acc, 0))
-    cache = model.extend_compressed(cache, prefix, cache.lengths, a_max)  # sparse: K1/K2 of the accepted path
+    with jax.named_scope(ROUND_PHASES[1]):
+        hidden, features, cache = target_forward(model, draft, tokens, cache, jnp.where(active, n, 0), mode=mode,
+                                                 tree=(depth, tree.mask))
+        logits = model.logits(hidden)
+    with jax.named_scope(ROUND_PHASES[2]):
+        # The target's token at every node: argmax, or an independent draw per node.
+        steps = ds.n_gen[:, None] * MAX_TREE_NODES + jnp.arange(n, dtype=jnp.int32)[None, :]
+        rep = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
+        target = sample(logits.reshape(b * n, -1), rep(ds.keys), steps.reshape(-1), rep(ds.temperature),
+                        rep(ds.top_k), rep(ds.top_p), sampling).reshape(b, n)
+        # Nodes past the end of the cache were not stored: never accepted (a full tree needs no free room).
+        stored = prefix[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :] < cache.max_length
+        correct = accept(tree, target, stored)
+        accepted_node = ~jnp.any(tree.mask & ~correct[:, None, :], axis=2)  # all ancestors (and itself) correct
+        end = jnp.argmax(jnp.where(accepted_node, depth, -1), axis=1)  # deepest accepted node
+        n_acc = jnp.take_along_axis(depth, end[:, None], axis=1)[:, 0] + 1
+        on_path = jnp.take_along_axis(tree.mask, end[:, None, None], axis=1)[:, 0]  # [B, N]
+        levels = jnp.arange(a_max, dtype=jnp.int32)
+        path = jnp.argmax(on_path[:, None, :] & (depth[:, None, :] == levels[None, :, None]), axis=2).astype(jnp.int32)
+        emitted = jnp.take_along_axis(target, path, axis=1)  # [B, A]; valid below n_acc
+    with jax.named_scope(ROUND_PHASES[3]):
+        cache = cache.commit_path(prefix, path, jnp.where(active, n_acc, 0))
+        cache = model.extend_compressed(cache, prefix, cache.lengths, a_max)  # sparse: K1/K2 of the accepted path
     ds, keep = apply_stops(ds, emitted, n_acc, active, cache.lengths, cache.max_length)
     feats = jnp.take_along_axis(features, path[:, :, None], axis=1)
     counted = jnp.where(active, n_acc, 0)
