@@ -9,34 +9,41 @@ length, random weights of the shape (target) and a random one-layer draft of the
   :func:`oracle_accept` (``--spec_oracle_accept K``): every round accepts the draft's best chain to depth
   K-1 (so exactly K tokens a round, the work of a real round with that accept length); ms/token and the
   speed-up over plain bf16 decode.
-* split — one round's parts timed alone, each on carried caches: draft (catch-up of K pairs + tree
-  expansion), verify, KV compaction (with the accepted path's K1/K2 on sparse targets); "accept" is the
-  rest of the measured round (target sampling over the tree, acceptance, stop checks, bookkeeping).
+* split — where one round of the oracle engine's own decode goes, from a ``jax.profiler`` trace of one more
+  generate: each kernel of the decode program counted for its part of the round by its ``jax.named_scope``
+  (``rounds.ROUND_PHASES``: draft = catch-up + tree expansion, verify = the tree's target forward + logits,
+  accept = target tokens over the tree + acceptance, compact = KV compaction with the accepted path's K1/K2),
+  ``other`` (stop checks, bookkeeping, fusions spanning parts) and ``idle`` (no kernel running): per round, they
+  sum to the traced decode's time from its first kernel to its last. The plain engine's decode is traced the
+  same way, so "verify / decode step" compares kernels of one trace kind (a trace runs without CUDA graphs:
+  its idle time is longer than an untraced run's; kernel times are the same).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import itertools
 import math
+import os
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from flax import nnx
+from jax import lax
 
 from benchmarks.memory import program_memory
-from benchmarks.timing import carried_loop_time
+from benchmarks.timing import carried_loop_time, hlo_op_paths, scoped_seconds
 from minicpm_jax.config import DraftSpec, ModelConfig
 from minicpm_jax.engine.engine import Engine
 from minicpm_jax.engine.speculative.engine import EagleSteps
-from minicpm_jax.engine.speculative.rounds import (
-    AcceptRule, DraftTree, SpecConfig, SpecState, catch_up, expand_tree,
-)
+from minicpm_jax.engine.steps import Compiled
+from minicpm_jax.engine.speculative.rounds import ROUND_PHASES, AcceptRule, DraftTree, SpecConfig
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.infllm.policy import attention_mode
 from minicpm_jax.model.draft import EagleDraft
@@ -88,6 +95,39 @@ def _ms(times: list[float]) -> float:
     return 1e3 * statistics.median(times)
 
 
+def traced_decode(engine: Engine, prompt: list[int], decode_steps: int, scopes: tuple[str, ...] = ()):
+    """One more ``engine.generate`` under ``jax.profiler``: (its stats, :func:`scoped_seconds` of its decode
+    program's kernels by ``scopes``, seconds over the whole decode).
+
+    The decode program is compiled once more without CUDA graphs for it (and warmed by a generate): a
+    graph's kernels reach the trace without their op paths, or not at all (H200, 2026-11-30). The kernels
+    are the same; the trace's idle time is that of launches one by one."""
+    steps, graphs = engine.steps, engine.steps.compiled
+    steps.compiled = Compiled(graphs.jitted, compiler_options={"xla_gpu_enable_command_buffer": ""})
+    steps.compiled.executables = {k: v for k, v in graphs.executables.items() if k[0] != "decode"}
+    try:
+        engine.generate([prompt], max_new_tokens=decode_steps)
+        texts = [exe.as_text() for (name, _, _), exe in steps.compiled.executables.items() if name == "decode"]
+        modules = {t.split(None, 2)[1].rstrip(",") for t in texts}
+        op_paths = {k: v for t in texts for k, v in hlo_op_paths(t).items()}
+        with tempfile.TemporaryDirectory() as d:
+            jax.profiler.start_trace(d)
+            try:
+                _, st = engine.generate([prompt], max_new_tokens=decode_steps)
+            finally:
+                jax.profiler.stop_trace()
+            files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+            planes = jax.profiler.ProfileData.from_file(files[0]).planes if files else []
+            return st, scoped_seconds(planes, modules, scopes, op_paths=op_paths)
+    finally:
+        steps.compiled = graphs
+
+
+def _per(seconds: dict, n: float) -> dict:
+    """A :func:`scoped_seconds` result in ms per ``n`` (rounds or tokens), the kernel count left out."""
+    return {k: 1e3 * v / n for k, v in seconds.items() if k != "kernels"}
+
+
 def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], oracle_accepts: list[float],
                       quants: list[str], group_size: int, dtype, decode_steps: int, repeats: int, make_model,
                       oracle_tree_size: int = 32, frspec_vocab: int = 32768, sparse: str = "off",
@@ -132,6 +172,10 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
             plain_bf16 = _ms(plain)
         row = {"quant": quant, "plain_ms_per_token": [1e3 * t for t in plain], "plain_prefill_tok_s": plain_prefill}
         log(f"spec {quant}: plain {row['plain_ms_per_token']} ms/token")
+        st, traced = traced_decode(engine, prompt, decode_steps)
+        per = _per(traced, st.decode_tokens)  # no scopes: every kernel is "other"
+        row["traced_plain_ms_per_token"] = {"kernels": per["other"], "idle": per["idle"], "span": per["span"]}
+        log(f"spec {quant}: traced plain {row['traced_plain_ms_per_token']} ms/token")
         # Issue 42's memory bound: the engine's largest program (prefill chunk, decode block) against the
         # weights + the engine's cache it runs over.
         row["program_bytes"] = program_memory(engine.steps.compiled)
@@ -183,7 +227,6 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
         # Oracle rounds through the speculative engine, and the split of one round.
         row["oracle"] = []
         ids = np.arange(min(frspec_vocab, config.vocab_size), dtype=np.int32) if frspec_vocab else None
-        head = None if ids is None else model.head_rows(jnp.asarray(ids))
         for (draft_quant, draft), k in itertools.product(drafts.items(), oracle_accepts):
             n = oracle_tree_size
             spec = SpecConfig(num_iter=max(2, math.ceil(k) - 1), topk_per_iter=10, tree_size=n)
@@ -197,45 +240,24 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
                 ms.append(1e3 * st.decode_time / st.decode_tokens)
                 prefill.append(st.prefill_tokens_per_s)
                 acc = st.spec_summary()["mean_accept_length"]
-            dgd, dstate = nnx.split(draft)
-            a = spec.max_accept
-            st0 = SpecState(dcache=dataclasses.replace(draft.new_cache(1, max_length + spec.draft_slots + a),
-                                                       lengths=jnp.asarray([context], jnp.int32)),
-                            pend_tok=jnp.zeros((1, a), jnp.int32), pend_feat=jnp.zeros((1, a, draft.spec.feature_size), dtype),
-                            pend_n=jnp.asarray([k], jnp.int32), accepted=jnp.zeros((1, a + 1), jnp.int32))
-            head_, ids_ = head, None if ids is None else jnp.asarray(ids)
-
-            def draft_part(state, dstate, st0, carry):
-                # The round's draft work on a carried draft cache, as run_round keeps it.
-                dc, probe = carry
-                m, d = nnx.merge(gd, state), nnx.merge(dgd, dstate)
-                h, dc2 = catch_up(m, d, dataclasses.replace(st0, dcache=dc), spec.window_size or None)
-                tok, _, _, score, dc2 = expand_tree(m, d, dc2, h, head_, ids_, spec, spec.window_size or None)
-                return dataclasses.replace(dc2, lengths=dc.lengths), probe + score[0, 0] + tok[0, -1]
-
-            t_draft, _ = carried_loop_time(draft_part, (state, dstate, dataclasses.replace(st0, dcache=None)),
-                                           (st0.dcache, jnp.zeros((), jnp.float32)), iters=20, repeats=loop_repeats)
-
-            def compact_part(state, path, carry):
-                # The accepted path moved into place and its compressed keys appended, as run_round does.
-                c, probe = carry
-                m = nnx.merge(gd, state)
-                c2 = c.commit_path(c.lengths, path, jnp.asarray([k], jnp.int32))
-                c2 = m.extend_compressed(c2, c.lengths, c2.lengths, a)
-                return dataclasses.replace(c2, lengths=c.lengths), probe
-
-            path = jnp.asarray([list(range(a))], jnp.int32)
-            t_compact, carry = carried_loop_time(compact_part, (state, path), carry, iters=20, repeats=loop_repeats)
-            verify_ms = next((v["ms"] for v in row["verify"] if v["tree_size"] == n), None)
-            if verify_ms is None:
-                verify_ms, carry = time_verify(n, carry)
+            # Where a round goes: the same generate once more, traced (kernels by part of the round).
+            st, traced = traced_decode(seng, prompt, decode_steps, ROUND_PHASES)
+            per = _per(traced, st.decode_tokens / acc)  # per round
+            split = {part: per[scope] for part, scope in zip(("draft", "verify", "accept", "compact"), ROUND_PHASES)}
+            split.update(other=per["other"], idle=per["idle"])
             round_ms = statistics.median(ms) * acc
-            split = {"draft": _ms(t_draft), "verify": statistics.median(verify_ms), "compact": _ms(t_compact)}
-            split["accept_and_rest"] = round_ms - sum(split.values())
+            plain_kernels = row["traced_plain_ms_per_token"]["kernels"]
             row["oracle"].append({"accept": k, "draft_quant": draft_quant, "tree_size": n, "num_iter": spec.num_iter,
                                   "frspec_vocab": frspec_vocab,
                                   "ms_per_token": ms, "prefill_tok_s": prefill,
                                   "mean_accept_length": acc, "round_ms": round_ms, "split_ms": split,
+                                  "traced_round_ms": per["span"],
+                                  "traced_kernels_per_round": traced["kernels"] * acc / st.decode_tokens,
+                                  # Issue 42's "verify ≤ 1.3× a decode step": the tree's kernels in a round against
+                                  # a plain step's kernels (both traced), and against the untraced plain step.
+                                  "verify_vs_decode_kernels": (split["verify"] / plain_kernels) if plain_kernels
+                                  else None,
+                                  "verify_vs_decode_step": split["verify"] / _ms(plain),
                                   "speedup_vs_plain": _ms(plain) / statistics.median(ms),
                                   "speedup_vs_plain_bf16": plain_bf16 / statistics.median(ms)})
             o = row["oracle"][-1]
@@ -265,18 +287,21 @@ def spec_markdown(r: dict) -> str:
             lines.append(f"| {row['quant']} | {v['tree_size']} | {statistics.median(v['ms']):.3f} | "
                          f"{statistics.median(row['decode_forward_ms']):.3f} | {v['vs_decode']:.2f}x | {step} |")
     lines += ["", "| weights | draft | oracle accept | tree (FR-Spec ids) | ms/token | tok/s | prefill tok/s | "
-                  "plain ms/token | speed-up | vs plain dense | round ms: draft / verify / compact / accept+rest |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "plain ms/token | speed-up | vs plain dense | round ms | traced round ms: draft / verify / accept / "
+                  "compact / other / idle | verify / plain step kernels |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
         for o in row["oracle"]:
             s = o["split_ms"]
+            ratio = "n/a" if o.get("verify_vs_decode_kernels") is None else f"{o['verify_vs_decode_kernels']:.2f}x"
             draft = {"none": "bf16", "int4": "int4"}[o.get("draft_quant", "none")]
             lines.append(f"| {row['quant']} | {draft} | {o['mean_accept_length']:.2f} | "
                          f"{o['tree_size']} ({o['frspec_vocab'] or 'all'}) | "
                          f"{statistics.median(o['ms_per_token']):.3f} | {1e3 / statistics.median(o['ms_per_token']):,.0f} | "
                          f"{statistics.median(o['prefill_tok_s']):,.0f} | {statistics.median(row['plain_ms_per_token']):.3f} | "
-                         f"{o['speedup_vs_plain']:.2f}x | {o['speedup_vs_plain_bf16']:.2f}x | {o['round_ms']:.2f}: "
-                         f"{s['draft']:.2f} / {s['verify']:.2f} / {s['compact']:.3f} / {s['accept_and_rest']:.2f} |")
+                         f"{o['speedup_vs_plain']:.2f}x | {o['speedup_vs_plain_bf16']:.2f}x | {o['round_ms']:.2f} | "
+                         f"{o['traced_round_ms']:.2f}: {s['draft']:.2f} / {s['verify']:.2f} / {s['accept']:.3f} / "
+                         f"{s['compact']:.3f} / {s['other']:.3f} / {s['idle']:.2f} | {ratio} |")
     lines += ["", "| weights | engine | largest program GiB (which) | weights + caches GiB | ratio |", "|---|---|---|---|---|"]
     for row in r["rows"]:
         runs = [("plain", row.get("program_bytes"), row.get("weights_and_cache_bytes"))]

@@ -152,3 +152,64 @@ def gpu_timeline(planes, device: int = 0, gap_ns: int = 3000) -> dict[str, float
     busy += hi - lo
     return {"span_s": (hi - spans[0][0]) * 1e-9, "busy_s": busy * 1e-9, "kernels": len(spans),
             "gaps_s": gaps * 1e-9, "gaps": n_gaps}
+
+
+def hlo_op_paths(hlo_text: str) -> dict[str, str]:
+    """Each instruction of an optimized HLO module's text → its op path (``metadata op_name``, e.g.
+    ``jit(decode)/while/body/spec_verify/dot_general``): what a CPU trace's events lack (a GPU kernel's
+    event carries its path in its ``name`` stat)."""
+    return dict(_OP_PATH.findall(hlo_text))
+
+
+_OP_PATH = re.compile(r'^\s*(?:ROOT\s+)?%?([^\s=]+) = [^\n]*?op_name="([^"]*)"', re.M)
+
+
+def scoped_seconds(planes, modules: set[str], scopes: tuple[str, ...], *, op_paths: dict[str, str] | None = None,
+                   device: int = 0) -> dict[str, float]:
+    """Where the programs ``modules`` (HLO module names, e.g. ``jit_decode``) spent one device's time in a
+    profile (``ProfileData.planes``), seconds by ``jax.named_scope``: each kernel counts for the first of
+    ``scopes`` on its op path, or for ``other`` (kernels outside every scope, and fusions of ops from several,
+    whose path is their common prefix). ``idle``: the time between the programs' first kernel's start and
+    their last one's end that none of their kernels covers (launch gaps, host round trips), so on one stream
+    the scopes, ``other`` and ``idle`` sum to ``span``. ``kernels``: how many were counted.
+
+    A GPU's kernels are the events of its stream lines, all of them (a stream's kernels can overlap by a little:
+    their parts may then sum to more than the span). Without a GPU plane (the CPU backend) they are the
+    host's XLA events, leaves only (a loop's event holds its body's), each mapped to its path through
+    ``op_paths`` (``hlo_op`` → path, :func:`hlo_op_paths`)."""
+    planes = list(planes)  # ProfileData.planes is an iterator
+    gpu = [p for p in planes if p.name.startswith(f"/device:GPU:{device}")]
+    spans = []  # (start, end, op path)
+    for plane in gpu or [p for p in planes if p.name == "/host:CPU"]:
+        for line in plane.lines:
+            if gpu and "Stream" not in line.name:
+                continue
+            found = []
+            for event in line.events:
+                stats = dict(event.stats)
+                if stats.get("hlo_module") not in modules or "hlo_op" not in stats:
+                    continue
+                path = stats.get("name") or (op_paths or {}).get(str(stats["hlo_op"]), "")
+                found.append((event.start_ns, event.start_ns + event.duration_ns, str(path)))
+            found.sort()
+            if gpu:  # kernels of one stream may overlap by a little (launch timestamps): all of them count
+                spans += found
+            else:  # the host's leaves: an event that holds the next one's start (a loop around its body) is not
+                spans += [f for f, nxt in zip(found, found[1:] + [None]) if nxt is None or nxt[0] >= f[1]]
+    out = {s: 0.0 for s in (*scopes, "other", "idle")}
+    if not spans:
+        return {**out, "span": 0.0, "kernels": 0}
+    spans.sort()
+    for start, end, path in spans:
+        parts = path.split("/")
+        out[next((s for s in scopes if s in parts), "other")] += (end - start) * 1e-9
+    busy, (lo, hi) = 0.0, spans[0][:2]
+    for start, end, _ in spans[1:]:
+        if start > hi:
+            busy, lo, hi = busy + hi - lo, start, end
+        else:
+            hi = max(hi, end)
+    busy += hi - lo
+    span = (hi - spans[0][0]) * 1e-9
+    out["idle"] = span - busy * 1e-9
+    return {**out, "span": span, "kernels": len(spans)}

@@ -19,7 +19,8 @@ from flax import nnx
 from benchmarks.int4 import add_peer, int4_markdown
 from benchmarks.spec import oracle_accept
 from benchmarks.timing import (
-    carried_loop, carried_loop_time, device_loop, device_loop_time, gpu_timeline, kernel_seconds, loop_kernel_time,
+    carried_loop, carried_loop_time, device_loop, device_loop_time, gpu_timeline, hlo_op_paths, kernel_seconds,
+    loop_kernel_time, scoped_seconds,
 )
 from minicpm_jax.config import DraftSpec, ModelConfig
 from minicpm_jax.engine.engine import Engine
@@ -111,6 +112,41 @@ def test_gpu_timeline_merges_streams_and_counts_idle_gaps():
     assert t["kernels"] == 5 and t["gaps"] == 1 and t["gaps_s"] == pytest.approx(5e-6)
     assert gpu_timeline(planes, device=1)["busy_s"] == pytest.approx(100e-6)
     assert gpu_timeline(planes, device=2) == {"span_s": 0.0, "busy_s": 0.0, "kernels": 0, "gaps_s": 0.0, "gaps": 0}
+
+
+def test_scoped_seconds_splits_a_program_by_named_scope():
+    """A GPU's kernels of the named modules by the first scope on their op path (a fusion whose path stops
+    above every scope is "other"); another program, the op view and another GPU are ignored; idle is the
+    uncovered time. Worked by hand (µs): a [0, 4), b [3, 10) (kernels of a stream can overlap a little: both
+    count), fusion [12, 13), a [20, 22): span 22, busy 13, idle 9, the parts 1 µs over the span. The CPU form:
+    the host's leaf events (the loop's event that holds them is not counted twice), paths from the HLO text."""
+    def ev(start, dur, **stats):
+        return SimpleNamespace(start_ns=start * 1000, duration_ns=dur * 1000, stats=list(stats.items()))
+
+    line = lambda name, *events: SimpleNamespace(name=name, events=list(events))  # noqa: E731
+    mod = dict(hlo_module="jit_decode", hlo_op="f")
+    planes = [SimpleNamespace(name="/device:GPU:0", lines=[
+        line("Stream #13(Compute)", ev(0, 4, name="jit(decode)/while/body/spec_draft/dot", **mod),
+             ev(3, 7, name="jit(decode)/while/body/spec_verify/spec_draft_like/x", **mod),
+             ev(12, 1, name="jit(decode)/while/body", **mod), ev(15, 3, name="jit(prefill)/spec_verify/dot",
+                                                                  hlo_module="jit_prefill", hlo_op="g"),
+             ev(20, 2, name="jit(decode)/spec_draft/pallas_call", **mod)),
+        line("XLA Ops", ev(0, 100, name="jit(decode)/spec_verify", **mod))]),
+        SimpleNamespace(name="/device:GPU:1", lines=[
+            line("Stream #13(Compute)", ev(0, 50, name="spec_verify", **mod))])]
+    t = scoped_seconds(iter(planes), {"jit_decode"}, ("spec_draft", "spec_verify"))
+    assert t["spec_draft"] == pytest.approx(6e-6) and t["spec_verify"] == pytest.approx(7e-6)
+    assert t["other"] == pytest.approx(1e-6) and t["idle"] == pytest.approx(9e-6) and t["kernels"] == 4
+    assert t["span"] + 1e-6 == pytest.approx(sum(t[k] for k in ("spec_draft", "spec_verify", "other", "idle")))
+    hlo = ('HloModule jit_decode\n  %fusion.3 = f32[4] fusion(%p), metadata={op_name="jit(decode)/spec_verify/dot"}\n'
+           '  ROOT %while.1 = (f32[4]) while(%t), metadata={op_name="jit(decode)/while"}\n')
+    paths = hlo_op_paths(hlo)
+    assert paths == {"fusion.3": "jit(decode)/spec_verify/dot", "while.1": "jit(decode)/while"}
+    cpu = [SimpleNamespace(name="/host:CPU", lines=[line("tf_XLAPjRtCpuClient", ev(0, 10, hlo_module="jit_decode",
+                                                                                   hlo_op="while.1"),
+                                                         ev(2, 5, hlo_module="jit_decode", hlo_op="fusion.3"))])]
+    t = scoped_seconds(cpu, {"jit_decode"}, ("spec_verify",), op_paths=paths)
+    assert t["spec_verify"] == pytest.approx(5e-6) and t["other"] == 0 and t["kernels"] == 1
 
 
 def test_bench_smoke_on_cpu(tmp_path):
@@ -249,7 +285,13 @@ def test_bench_spec_smoke_on_cpu(tmp_path):
     assert row["verify"][0]["vs_decode_step"] > 0
     oracle = row["oracle"][0]
     assert oracle["mean_accept_length"] == 3.0 and oracle["frspec_vocab"] == 512
-    assert set(oracle["split_ms"]) == {"draft", "verify", "compact", "accept_and_rest"}
+    # The traced round: every part of it found by its scope, the parts and idle time summing to the round (CPU
+    # thunks may overlap on the host's threads: at least the span).
+    split = oracle["split_ms"]
+    assert set(split) == {"draft", "verify", "accept", "compact", "other", "idle"}
+    assert min(split[k] for k in ("draft", "verify", "accept", "compact")) > 0, split
+    assert sum(split.values()) >= 0.99 * oracle["traced_round_ms"] > 0
+    assert oracle["verify_vs_decode_kernels"] > 0 and row["traced_plain_ms_per_token"]["kernels"] > 0
     assert "| none | int4 | 3.00 | 12 (512) |" in r.stdout
     # Every engine program holds at least the weights and cache it runs over (XLA's buffer assignment).
     model_programs = [v for k, v in row["program_bytes"].items() if k.split("/")[0] in ("prefill", "decode")]
