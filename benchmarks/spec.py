@@ -16,7 +16,7 @@ length, random weights of the shape (target) and a random one-layer draft of the
   ``other`` (stop checks, bookkeeping, fusions spanning parts) and ``idle`` (no kernel running): per round, they
   sum to the traced decode's time from its first kernel to its last. The plain engine's decode is traced the
   same way, so "verify / decode step" compares kernels of one trace kind (a trace runs without CUDA graphs:
-  its idle time is longer than an untraced run's; kernel times are the same).
+  its idle time is longer than an untraced run's; kernel times are the same). Rounds are the traced run's own.
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ def traced_decode(engine: Engine, prompt: list[int], decode_steps: int, scopes: 
 
     The decode program is compiled once more without CUDA graphs for it (and warmed by a generate): a
     graph's kernels reach the trace without their op paths, or not at all (H200, 2026-11-30). The kernels
-    are the same; the trace's idle time is that of launches one by one."""
+    are the same; the trace's idle time is that of launches one by one, and of a host round trip for each
+    round's loop condition (which a WHILE graph keeps on the device)."""
     steps, graphs = engine.steps, engine.steps.compiled
     steps.compiled = Compiled(graphs.jitted, compiler_options={"xla_gpu_enable_command_buffer": ""})
     steps.compiled.executables = {k: v for k, v in graphs.executables.items() if k[0] != "decode"}
@@ -242,7 +243,8 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
                 acc = st.spec_summary()["mean_accept_length"]
             # Where a round goes: the same generate once more, traced (kernels by part of the round).
             st, traced = traced_decode(seng, prompt, decode_steps, ROUND_PHASES)
-            per = _per(traced, st.decode_tokens / acc)  # per round
+            rounds = st.spec_summary()["spec_rounds"]  # the traced run's own (a last round may be cut short)
+            per = _per(traced, rounds)
             split = {part: per[scope] for part, scope in zip(("draft", "verify", "accept", "compact"), ROUND_PHASES)}
             split.update(other=per["other"], idle=per["idle"])
             round_ms = statistics.median(ms) * acc
@@ -252,7 +254,7 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
                                   "ms_per_token": ms, "prefill_tok_s": prefill,
                                   "mean_accept_length": acc, "round_ms": round_ms, "split_ms": split,
                                   "traced_round_ms": per["span"],
-                                  "traced_kernels_per_round": traced["kernels"] * acc / st.decode_tokens,
+                                  "traced_kernels_per_round": traced["kernels"] / rounds,
                                   # Issue 42's "verify ≤ 1.3× a decode step": the tree's kernels in a round against
                                   # a plain step's kernels (both traced), and against the untraced plain step.
                                   "verify_vs_decode_kernels": (split["verify"] / plain_kernels) if plain_kernels

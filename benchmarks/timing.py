@@ -168,8 +168,8 @@ def scoped_seconds(planes, modules: set[str], scopes: tuple[str, ...], *, op_pat
                    device: int = 0) -> dict[str, float]:
     """Where the programs ``modules`` (HLO module names, e.g. ``jit_decode``) spent one device's time in a
     profile (``ProfileData.planes``), seconds by ``jax.named_scope``: each kernel counts for the first of
-    ``scopes`` on its op path, or for ``other`` (kernels outside every scope, and fusions of ops from several,
-    whose path is their common prefix). ``idle``: the time between the programs' first kernel's start and
+    ``scopes`` (in their order) found on its op path, or for ``other`` (kernels outside every scope, and fusions
+    whose path stops above them: a GPU trace gave a fusion of ops from two scopes their common prefix). ``idle``: the time between the programs' first kernel's start and
     their last one's end that none of their kernels covers (launch gaps, host round trips), so on one stream
     the scopes, ``other`` and ``idle`` sum to ``span``. ``kernels``: how many were counted.
 
@@ -178,7 +178,7 @@ def scoped_seconds(planes, modules: set[str], scopes: tuple[str, ...], *, op_pat
     host's XLA events, leaves only (a loop's event holds its body's), each mapped to its path through
     ``op_paths`` (``hlo_op`` → path, :func:`hlo_op_paths`)."""
     planes = list(planes)  # ProfileData.planes is an iterator
-    gpu = [p for p in planes if p.name.startswith(f"/device:GPU:{device}")]
+    gpu = [p for p in planes if p.name == f"/device:GPU:{device}"]
     spans = []  # (start, end, op path)
     for plane in gpu or [p for p in planes if p.name == "/host:CPU"]:
         for line in plane.lines:

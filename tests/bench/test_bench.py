@@ -285,12 +285,12 @@ def test_bench_spec_smoke_on_cpu(tmp_path):
     assert row["verify"][0]["vs_decode_step"] > 0
     oracle = row["oracle"][0]
     assert oracle["mean_accept_length"] == 3.0 and oracle["frspec_vocab"] == 512
-    # The traced round: every part of it found by its scope, the parts and idle time summing to the round (CPU
-    # thunks may overlap on the host's threads: at least the span).
+    # The traced round: every part of it found by its scope (how parts and idle make up the span:
+    # test_scoped_seconds_splits_a_program_by_named_scope).
     split = oracle["split_ms"]
     assert set(split) == {"draft", "verify", "accept", "compact", "other", "idle"}
     assert min(split[k] for k in ("draft", "verify", "accept", "compact")) > 0, split
-    assert sum(split.values()) >= 0.99 * oracle["traced_round_ms"] > 0
+    assert oracle["traced_round_ms"] > 0 and split["idle"] >= 0
     assert oracle["verify_vs_decode_kernels"] > 0 and row["traced_plain_ms_per_token"]["kernels"] > 0
     assert "| none | int4 | 3.00 | 12 (512) |" in r.stdout
     # Every engine program holds at least the weights and cache it runs over (XLA's buffer assignment).
