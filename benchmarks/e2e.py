@@ -8,14 +8,12 @@ all-reduces take per layer, from a profile of the decode loop."""
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 import re
 import statistics
 import subprocess
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +21,7 @@ import numpy as np
 
 from benchmarks.memory import program_memory
 from benchmarks.shapes import SHAPES, decode_weight_bytes, prefill_flops_per_token, random_model
-from benchmarks.timing import gpu_timeline, kernel_seconds
+from benchmarks.timing import gpu_timeline, kernel_seconds, traced
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.engine.engine import Engine
 from minicpm_jax.engine.paging import DEFAULT_PAGE_SIZE, Paging
@@ -78,19 +76,6 @@ def decode_hlo(engine: Engine, mode: str = "dense") -> str:
 COLLECTIVE_KERNEL = re.compile(r"nccl|all_?reduce|allreduce|all-reduce|psum|all_?gather|collective", re.IGNORECASE)
 
 
-def _profile(engine: Engine, prompts, new_tokens: int):
-    """The planes of a ``jax.profiler`` trace of one ``generate`` call, or None without a trace file."""
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        try:
-            engine.generate(prompts, max_new_tokens=new_tokens)
-        finally:
-            jax.profiler.stop_trace()
-        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        # a list: ``planes`` is an iterator, and both the kernel sums and the timeline read it
-        return list(jax.profiler.ProfileData.from_file(files[0]).planes) if files else None
-
-
 def profiled_decode(engine: Engine, prompts, decode_steps: int) -> dict | None:
     """Per decode step on the first device, from two profiled ``generate`` calls (``PROFILE_BASE`` and
     ``PROFILE_BASE + decode_steps`` tokens; their difference drops the prefill and the first steps):
@@ -98,7 +83,8 @@ def profiled_decode(engine: Engine, prompts, decode_steps: int) -> dict | None:
     end), ``busy_s`` (union of kernel intervals), ``gaps_s`` / ``gaps`` (idle stretches over 3 µs),
     ``launches``. None without GPU kernels in the traces (the CPU)."""
     engine.generate(prompts, max_new_tokens=2)
-    short, long = (_profile(engine, prompts, PROFILE_BASE + n) for n in (0, decode_steps))
+    short, long = (traced(lambda n=n: engine.generate(prompts, max_new_tokens=PROFILE_BASE + n))[1]
+                   for n in (0, decode_steps))
     if short is None or long is None:
         return None
     k_short, k_long = kernel_seconds(short, device=0), kernel_seconds(long, device=0)

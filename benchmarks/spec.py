@@ -22,13 +22,10 @@ length, random weights of the shape (target) and a random one-layer draft of the
 from __future__ import annotations
 
 import dataclasses
-import glob
 import itertools
 import math
-import os
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
@@ -38,11 +35,10 @@ from flax import nnx
 from jax import lax
 
 from benchmarks.memory import program_memory
-from benchmarks.timing import carried_loop_time, hlo_op_paths, scoped_seconds
+from benchmarks.timing import carried_loop_time, hlo_op_paths, scoped_seconds, traced
 from minicpm_jax.config import DraftSpec, ModelConfig
 from minicpm_jax.engine.engine import Engine
 from minicpm_jax.engine.speculative.engine import EagleSteps
-from minicpm_jax.engine.steps import Compiled
 from minicpm_jax.engine.speculative.rounds import ROUND_PHASES, AcceptRule, DraftTree, SpecConfig
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.infllm.policy import attention_mode
@@ -97,29 +93,21 @@ def _ms(times: list[float]) -> float:
 
 def traced_decode(engine: Engine, prompt: list[int], decode_steps: int, scopes: tuple[str, ...] = ()):
     """One more ``engine.generate`` under ``jax.profiler``: (its stats, :func:`scoped_seconds` of its decode
-    program's kernels by ``scopes``, seconds over the whole decode).
+    program's kernels by ``scopes``: seconds over the whole decode).
 
     The decode program is compiled once more without CUDA graphs for it (and warmed by a generate): a
     graph's kernels reach the trace without their op paths, or not at all (H200, 2026-11-30). The kernels
     are the same; the trace's idle time is that of launches one by one, and of a host round trip for each
     round's loop condition (which a WHILE graph keeps on the device)."""
     steps, graphs = engine.steps, engine.steps.compiled
-    steps.compiled = Compiled(graphs.jitted, compiler_options={"xla_gpu_enable_command_buffer": ""})
-    steps.compiled.executables = {k: v for k, v in graphs.executables.items() if k[0] != "decode"}
+    steps.compiled = graphs.with_options({"xla_gpu_enable_command_buffer": ""}, {"decode"})
     try:
         engine.generate([prompt], max_new_tokens=decode_steps)
         texts = [exe.as_text() for (name, _, _), exe in steps.compiled.executables.items() if name == "decode"]
         modules = {t.split(None, 2)[1].rstrip(",") for t in texts}
         op_paths = {k: v for t in texts for k, v in hlo_op_paths(t).items()}
-        with tempfile.TemporaryDirectory() as d:
-            jax.profiler.start_trace(d)
-            try:
-                _, st = engine.generate([prompt], max_new_tokens=decode_steps)
-            finally:
-                jax.profiler.stop_trace()
-            files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-            planes = jax.profiler.ProfileData.from_file(files[0]).planes if files else []
-            return st, scoped_seconds(planes, modules, scopes, op_paths=op_paths)
+        (_, st), planes = traced(lambda: engine.generate([prompt], max_new_tokens=decode_steps))
+        return st, scoped_seconds(planes or [], modules, scopes, op_paths=op_paths)
     finally:
         steps.compiled = graphs
 

@@ -92,17 +92,22 @@ def loop_kernel_time(run, args: tuple, *, iters: int) -> float | None:
     kernel the loop runs (its own small fusions included), summed from a ``jax.profiler`` trace of one
     run and divided by ``iters``. None where the trace has no GPU kernels (the CPU)."""
     jax.block_until_ready(run(*args))
+    _, planes = traced(lambda: jax.block_until_ready(run(*args)))
+    per_kernel = kernel_seconds(planes) if planes else {}
+    return sum(per_kernel.values()) / iters if per_kernel else None
+
+
+def traced(fn):
+    """``(fn(), planes)``: the planes (``ProfileData.planes``, as a list: the attribute is an iterator) of a
+    ``jax.profiler`` trace of the call, or None where the trace wrote no file."""
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         try:
-            jax.block_until_ready(run(*args))
+            result = fn()
         finally:
             jax.profiler.stop_trace()
         files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        if not files:
-            return None
-        per_kernel = kernel_seconds(jax.profiler.ProfileData.from_file(files[0]).planes)
-    return sum(per_kernel.values()) / iters if per_kernel else None
+        return result, (list(jax.profiler.ProfileData.from_file(files[0]).planes) if files else None)
 
 
 def kernel_seconds(planes, device: int | None = None) -> dict[str, float]:
@@ -134,13 +139,21 @@ def gpu_timeline(planes, device: int = 0, gap_ns: int = 3000) -> dict[str, float
         for line in plane.lines:
             if "Stream" in line.name:
                 spans += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events]
+    span, busy, gaps, n_gaps = _union(spans, gap_ns)
+    return {"span_s": span * 1e-9, "busy_s": busy * 1e-9, "kernels": len(spans), "gaps_s": gaps * 1e-9,
+            "gaps": n_gaps}
+
+
+def _union(spans: list, gap_ns: float = 0) -> tuple[float, float, float, int]:
+    """Intervals ``(start, end, ...)`` in ns: (span from the first start to the last end, busy = their union,
+    idle stretches longer than ``gap_ns`` summed and counted); zeros without intervals."""
     if not spans:
-        return {"span_s": 0.0, "busy_s": 0.0, "kernels": 0, "gaps_s": 0.0, "gaps": 0}
-    spans.sort()
+        return 0.0, 0.0, 0.0, 0
+    spans = sorted(spans)
     busy = gaps = 0.0
     n_gaps = 0
-    lo, hi = spans[0]
-    for s, e in spans[1:]:
+    lo, hi = spans[0][:2]
+    for s, e, *_ in spans[1:]:
         if s > hi:
             busy += hi - lo
             if s - hi > gap_ns:
@@ -150,8 +163,7 @@ def gpu_timeline(planes, device: int = 0, gap_ns: int = 3000) -> dict[str, float
         else:
             hi = max(hi, e)
     busy += hi - lo
-    return {"span_s": (hi - spans[0][0]) * 1e-9, "busy_s": busy * 1e-9, "kernels": len(spans),
-            "gaps_s": gaps * 1e-9, "gaps": n_gaps}
+    return hi - spans[0][0], busy, gaps, n_gaps
 
 
 def hlo_op_paths(hlo_text: str) -> dict[str, str]:
@@ -169,9 +181,10 @@ def scoped_seconds(planes, modules: set[str], scopes: tuple[str, ...], *, op_pat
     """Where the programs ``modules`` (HLO module names, e.g. ``jit_decode``) spent one device's time in a
     profile (``ProfileData.planes``), seconds by ``jax.named_scope``: each kernel counts for the first of
     ``scopes`` (in their order) found on its op path, or for ``other`` (kernels outside every scope, and fusions
-    whose path stops above them: a GPU trace gave a fusion of ops from two scopes their common prefix). ``idle``: the time between the programs' first kernel's start and
-    their last one's end that none of their kernels covers (launch gaps, host round trips), so on one stream
-    the scopes, ``other`` and ``idle`` sum to ``span``. ``kernels``: how many were counted.
+    whose path stops above them: a GPU trace gave a fusion of ops from two scopes their common prefix).
+    ``idle``: the time between the programs' first kernel's start and their last one's end that none of their
+    kernels covers (launch gaps, host round trips), so on one stream the scopes, ``other`` and ``idle`` sum to
+    ``span``. ``kernels``: how many were counted.
 
     A GPU's kernels are the events of its stream lines, all of them (a stream's kernels can overlap by a little:
     their parts may then sum to more than the span). Without a GPU plane (the CPU backend) they are the
@@ -197,19 +210,9 @@ def scoped_seconds(planes, modules: set[str], scopes: tuple[str, ...], *, op_pat
             else:  # the host's leaves: an event that holds the next one's start (a loop around its body) is not
                 spans += [f for f, nxt in zip(found, found[1:] + [None]) if nxt is None or nxt[0] >= f[1]]
     out = {s: 0.0 for s in (*scopes, "other", "idle")}
-    if not spans:
-        return {**out, "span": 0.0, "kernels": 0}
-    spans.sort()
     for start, end, path in spans:
         parts = path.split("/")
         out[next((s for s in scopes if s in parts), "other")] += (end - start) * 1e-9
-    busy, (lo, hi) = 0.0, spans[0][:2]
-    for start, end, _ in spans[1:]:
-        if start > hi:
-            busy, lo, hi = busy + hi - lo, start, end
-        else:
-            hi = max(hi, end)
-    busy += hi - lo
-    span = (hi - spans[0][0]) * 1e-9
-    out["idle"] = span - busy * 1e-9
-    return {**out, "span": span, "kernels": len(spans)}
+    span, busy, _, _ = _union(spans)
+    out["idle"] = (span - busy) * 1e-9
+    return {**out, "span": span * 1e-9, "kernels": len(spans)}

@@ -63,6 +63,13 @@ class Compiled:
         self.executables: dict = {}
         self.compile_time = 0.0
 
+    def with_options(self, compiler_options: dict, names: set[str]) -> "Compiled":
+        """The same functions, those in ``names`` compiled again with ``compiler_options`` when next called;
+        the others' executables shared with this one."""
+        out = Compiled(self.jitted, compiler_options)
+        out.executables = {k: v for k, v in self.executables.items() if k[0] not in names}
+        return out
+
     def __call__(self, name: str, key, *args, **static):
         """Runs ``name`` on ``args``; ``key`` names the shape variant (e.g. the chunk size)."""
         full_key = (name, key, tuple(sorted(static.items())))

@@ -9,6 +9,7 @@ import pytest
 
 from minicpm_jax.engine.engine import Engine
 from minicpm_jax.engine.sampling import SamplingParams, filter_top_k_top_p, sample
+from minicpm_jax.engine.steps import Compiled
 from minicpm_jax.engine.stops import DecodeState, live_block
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.loading import load_model
@@ -433,3 +434,19 @@ def test_blocks_check_each_step_where_loop_conditions_stay_on_the_device(monkeyp
     assert stops.loop_conditions_on_device() and not stops.loop_conditions_on_device(devices=2)
     monkeypatch.setenv("XLA_FLAGS", COMMAND_BUFFER_FLAG + " --xla_gpu_enable_command_buffer=+conditional,-WHILE")
     assert stops.command_buffer_types() == {"CONDITIONAL"} and not stops.loop_conditions_on_device()
+
+
+def test_compiled_with_options_recompiles_only_the_named_programs():
+    """A benchmark's trace recompiles the decode program with other XLA options: the named programs compile
+    again under them (same results), the others' executables are the very same objects, and the original
+    set is untouched."""
+    base = Compiled({"f": jax.jit(lambda x: x + 1), "g": jax.jit(lambda x: x * 2)})
+    x = jnp.arange(4.0)
+    base("f", None, x), base("g", None, x)
+    other = base.with_options({"xla_gpu_enable_command_buffer": ""}, {"f"})
+    assert other.compiler_options == {"xla_gpu_enable_command_buffer": ""} and base.compiler_options is None
+    assert [k[0] for k in other.executables] == ["g"] and other.executables[("g", None, ())] is base.executables[
+        ("g", None, ())]
+    np.testing.assert_array_equal(other("f", None, x), x + 1)
+    assert other.executables[("f", None, ())] is not base.executables[("f", None, ())] and len(base.executables) == 2
+
