@@ -21,7 +21,7 @@ import numpy as np
 
 from benchmarks.memory import program_memory
 from benchmarks.shapes import SHAPES, decode_weight_bytes, prefill_flops_per_token, random_model
-from benchmarks.timing import gpu_timeline, kernel_seconds, traced
+from benchmarks.timing import gpu_timeline, kernel_seconds, traced, without_graphs
 from minicpm_jax.config import ModelConfig
 from minicpm_jax.engine.engine import Engine
 from minicpm_jax.engine.paging import DEFAULT_PAGE_SIZE, Paging
@@ -81,10 +81,14 @@ def profiled_decode(engine: Engine, prompts, decode_steps: int) -> dict | None:
     ``PROFILE_BASE + decode_steps`` tokens; their difference drops the prefill and the first steps):
     ``kernels`` seconds by kernel name, and the timeline's ``span_s`` (first kernel start to last kernel
     end), ``busy_s`` (union of kernel intervals), ``gaps_s`` / ``gaps`` (idle stretches over 3 µs),
-    ``launches``. None without GPU kernels in the traces (the CPU)."""
-    engine.generate(prompts, max_new_tokens=2)
-    short, long = (traced(lambda n=n: engine.generate(prompts, max_new_tokens=PROFILE_BASE + n))[1]
-                   for n in (0, decode_steps))
+    ``launches``. None without GPU kernels in the traces (the CPU).
+
+    The decode program is compiled without CUDA graphs for the traces (:func:`~benchmarks.timing.without_graphs`),
+    so every kernel is seen; the timeline is then that of kernels launched one by one, not the graph's."""
+    with without_graphs(engine.steps, {"decode"}):
+        engine.generate(prompts, max_new_tokens=2)
+        short, long = (traced(lambda n=n: engine.generate(prompts, max_new_tokens=PROFILE_BASE + n))[1]
+                       for n in (0, decode_steps))
     if short is None or long is None:
         return None
     k_short, k_long = kernel_seconds(short, device=0), kernel_seconds(long, device=0)

@@ -35,7 +35,7 @@ from flax import nnx
 from jax import lax
 
 from benchmarks.memory import program_memory
-from benchmarks.timing import carried_loop_time, hlo_op_paths, scoped_seconds, traced
+from benchmarks.timing import carried_loop_time, hlo_op_paths, scoped_seconds, traced, without_graphs
 from minicpm_jax.config import DraftSpec, ModelConfig
 from minicpm_jax.engine.engine import Engine
 from minicpm_jax.engine.speculative.engine import EagleSteps
@@ -99,17 +99,14 @@ def traced_decode(engine: Engine, prompt: list[int], decode_steps: int, scopes: 
     graph's kernels reach the trace without their op paths, or not at all (H200, 2026-11-30). The kernels
     are the same; the trace's idle time is that of launches one by one, and of a host round trip for each
     round's loop condition (which a WHILE graph keeps on the device)."""
-    steps, graphs = engine.steps, engine.steps.compiled
-    steps.compiled = graphs.with_options({"xla_gpu_enable_command_buffer": ""}, {"decode"})
-    try:
+    steps = engine.steps
+    with without_graphs(steps, {"decode"}):
         engine.generate([prompt], max_new_tokens=decode_steps)
         texts = [exe.as_text() for (name, _, _), exe in steps.compiled.executables.items() if name == "decode"]
         modules = {t.split(None, 2)[1].rstrip(",") for t in texts}
         op_paths = {k: v for t in texts for k, v in hlo_op_paths(t).items()}
         (_, st), planes = traced(lambda: engine.generate([prompt], max_new_tokens=decode_steps))
-        return st, scoped_seconds(planes or [], modules, scopes, op_paths=op_paths)
-    finally:
-        steps.compiled = graphs
+    return st, scoped_seconds(planes or [], modules, scopes, op_paths=op_paths)
 
 
 def _per(seconds: dict, n: float) -> dict:

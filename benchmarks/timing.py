@@ -9,6 +9,7 @@ that the engine's decode loop does not show (docs/lab_notes, 2026-11-23 H200 ses
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -108,6 +109,24 @@ def traced(fn):
             jax.profiler.stop_trace()
         files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         return result, (list(jax.profiler.ProfileData.from_file(files[0]).planes) if files else None)
+
+
+# XLA's option that lists what it records as CUDA graphs (command buffers); empty: none.
+NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}
+
+
+@contextlib.contextmanager
+def without_graphs(steps, names: set[str]):
+    """While inside, the programs ``names`` of ``steps.compiled`` (an engine's ``Steps``, whose ``Compiled``
+    has ``with_options``) run compiled without CUDA graphs, for a trace: a graph's kernels reach it without
+    their op paths, a WHILE graph's mostly not at all (H200, 2026-11-30: 149 of ~906 kernel events of a
+    decode). The kernels are the same; launched one by one, the gaps between them are not the graph's."""
+    graphs = steps.compiled
+    steps.compiled = graphs.with_options(NO_GRAPHS, names)
+    try:
+        yield
+    finally:
+        steps.compiled = graphs
 
 
 def kernel_seconds(planes, device: int | None = None) -> dict[str, float]:
