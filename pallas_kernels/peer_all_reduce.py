@@ -369,6 +369,16 @@ def fits(x: jax.Array, workspace: PeerWorkspace | None) -> bool:
     return workspace is not None and x.dtype == jnp.float32 and x.size <= MAX_ELEMENTS
 
 
+def psum(x: jax.Array, workspace: PeerWorkspace | None, axis_name: Hashable) -> jax.Array:
+    """``lax.psum(x, axis_name)`` for a float ``x`` of any dtype: through :func:`peer_all_reduce` when there is a
+    workspace and ``x`` has at most :data:`MAX_ELEMENTS` elements (summed in fp32, cast back to x's dtype: for
+    2 ranks psum's result, and exact where one rank holds each nonzero, as in a vocab-parallel lookup or a
+    gather written as a sum), else XLA's collective. Call inside ``shard_map``."""
+    if workspace is None or x.size > MAX_ELEMENTS:
+        return lax.psum(x, axis_name)
+    return peer_all_reduce(x.astype(jnp.float32), workspace, axis_name).astype(x.dtype)
+
+
 def fits_rows(x: jax.Array, workspace: PeerWorkspace | None) -> bool:
     """Whether :func:`peer_all_reduce_add_norm` takes partial sums ``x [..., H]``: :func:`fits`, ``H`` a power
     of 2 from 16 to :data:`ROW_WORDS` (tiles of ``ROW_TILE`` or one tile), at most :data:`MAX_ROWS` rows

@@ -45,7 +45,7 @@ from minicpm_jax.config import ModelConfig
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.paged_cache import PagedKVCache
 from minicpm_jax.quant import QuantSpec
-from pallas_kernels.peer_all_reduce import PeerAccessError, PeerWorkspace, allocate_workspace
+from pallas_kernels.peer_all_reduce import MAX_ELEMENTS, PeerAccessError, PeerWorkspace, allocate_workspace, psum
 
 AXIS = "tp"  # the mesh axis tensor parallelism splits over
 
@@ -185,8 +185,11 @@ class TensorParallel:
         return AXIS if self.size > 1 else None
 
     def all_reduce(self, x: jax.Array) -> jax.Array:
-        """Sum of the shards' partial results (row-parallel linears); identity at size 1."""
-        return lax.psum(x, AXIS) if self.size > 1 else x
+        """Sum of the shards' partial results (row-parallel linears); identity at size 1. With a peer-memory
+        workspace (:attr:`peers`) a message of up to 256K elements goes through its kernel
+        (``pallas_kernels.peer_all_reduce.psum``), so a decode step has no XLA collective left: XLA runs those
+        as thunks between CUDA graphs, which split the step's graph and hand its pace to the host."""
+        return psum(x, self.peers, AXIS) if self.size > 1 else x
 
     def all_gather(self, x: jax.Array, axis: int) -> jax.Array:
         """The shards' blocks of ``x`` concatenated along ``axis``; identity at size 1."""
@@ -201,13 +204,20 @@ class TensorParallel:
         local = ids - lax.axis_index(AXIS) * rows
         inside = (local >= 0) & (local < rows)
         x = jnp.take(table, jnp.where(inside, local, 0), axis=0)
-        return lax.psum(jnp.where(inside[..., None], x, jnp.zeros((), x.dtype)), AXIS)
+        return self.all_reduce(jnp.where(inside[..., None], x, jnp.zeros((), x.dtype)))
 
     def gather_vocab(self, logits: jax.Array) -> jax.Array:
-        """Vocab-parallel logits ``[..., vocab_padded / size]`` → ``[..., vocab_size]`` on every shard."""
+        """Vocab-parallel logits ``[..., vocab_padded / size]`` → ``[..., vocab_size]`` on every shard. With a
+        peer-memory workspace and at most 256K elements in all (a decode step's few rows), the gather is a sum
+        of each shard's block placed in zeros (exact) through :meth:`all_reduce`, for the reason given there."""
         if self.size == 1:
             return logits
-        return self.all_gather(logits, -1)[..., : self.vocab_size]
+        if self.peers is None or logits.size * self.size > MAX_ELEMENTS:
+            return self.all_gather(logits, -1)[..., : self.vocab_size]
+        rows = logits.shape[-1]
+        placed = lax.dynamic_update_slice_in_dim(jnp.zeros((*logits.shape[:-1], rows * self.size), logits.dtype),
+                                                 logits, lax.axis_index(AXIS) * rows, axis=logits.ndim - 1)
+        return self.all_reduce(placed)[..., : self.vocab_size]
 
     def group_queries(self, q: jax.Array) -> jax.Array:
         """``q [B, T, q_heads, D]`` → the queries of this shard's whole GQA group ``[B, T, H / KVH, D]``

@@ -3,7 +3,8 @@
 The stored layout against a NumPy re-derivation; sizes that do not split a model; a model split over 2, 4
 and 8 devices against the same weights on one device — fp32 logits of a batch prefill and greedy tokens,
 batch 1 and 4 — dense, int4 (round-to-nearest and act-order), InfLLM-v2 sparse (a KV head's query group
-spread over devices at 4 and 8) and EAGLE speculative; the collectives of one compiled decode step;
+spread over devices at 4 and 8) and EAGLE speculative; the collectives of one compiled decode step (and with a
+peer-memory workspace, none of XLA's);
 memory sizing and saving of a split model.
 """
 
@@ -27,12 +28,14 @@ from minicpm_jax.engine.sampling import SamplingParams
 from minicpm_jax.engine.speculative.engine import SpeculativeEngine
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.cache import KVCache
+from minicpm_jax.model import causal_lm
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
 from minicpm_jax.model.draft import EagleDraft
 from minicpm_jax.model.layers import Int4Linear
 from minicpm_jax.model.loading import convert_model, load_model, save_native, shard_model, weight_bytes
 from minicpm_jax.model.parallel import QKV, GATE_UP, VOCAB, TensorParallel, from_layout, make_mesh, to_layout
 from minicpm_jax.quant import QuantSpec
+from pallas_kernels.peer_all_reduce import PeerWorkspace
 from tests.helpers import SMALL, random_hf_weights, tiny_minicpm_config, write_checkpoint
 
 # 8 query heads over 2 KV heads, head_dim 16, 128 MLP channels (whole int4 groups of 16 on 8 devices), a
@@ -254,6 +257,22 @@ def test_one_decode_step_has_the_designed_collectives(ckpt):
                                                                      "all-gather": 1 + 2 * layers}
     # One device through the SPMD program: no collective at all.
     assert _collectives(shard_model(dense, make_mesh(1)), "dense") == {}
+
+
+def test_with_a_peer_workspace_a_decode_step_has_no_xla_collective(ckpt, monkeypatch):
+    """The pallas backend on a mesh with a peer-memory workspace (a made-up one: the step is lowered for CUDA
+    here, not run; tests/model/test_gpu_tensor_parallel.py runs it): every collective of a decode step is the
+    peer kernel (the blocks' all-reduces fused with the add and the norm, the embedding lookup's sum, the
+    logits' gather as a sum), so nothing splits the step's CUDA graph."""
+    monkeypatch.setattr(causal_lm, "peer_workspace", lambda mesh: PeerWorkspace((0x7F12_3456_7000, 0x7F98_7654_3000)))
+    model = load_model(ckpt, dtype=jnp.float32, max_length=MAX_LEN, attention_impl="pallas", sparse="off")
+    engine = Engine(shard_model(model, make_mesh(2)), batch_size=1, chunk_length=32, decode_block=1)
+    steps = engine.steps
+    text = steps.compiled.jitted["decode"].trace(steps.state, engine.cache, engine.decode_state([], [], []),
+                                                 mode="dense", sampling="auto").lower(lowering_platforms=("cuda",)).as_text()
+    assert not re.findall(r"stablehlo\.(all_reduce|all_gather|all_to_all|collective_permute|reduce_scatter)", text)
+    kernels = collections.Counter(re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*name = "(peer_\w+)"', text))
+    assert kernels == {"peer_all_reduce_add_norm": 2 * CONFIG.num_layers, "peer_all_reduce": 2}
 
 
 # ------------------------------------------------------------------------------------ memory and saving
