@@ -268,8 +268,9 @@ def test_with_a_peer_workspace_a_decode_step_has_no_xla_collective(ckpt, monkeyp
     model = load_model(ckpt, dtype=jnp.float32, max_length=MAX_LEN, attention_impl="pallas", sparse="off")
     engine = Engine(shard_model(model, make_mesh(2)), batch_size=1, chunk_length=32, decode_block=1)
     steps = engine.steps
-    text = steps.compiled.jitted["decode"].trace(steps.state, engine.cache, engine.decode_state([], [], []),
-                                                 mode="dense", sampling="auto").lower(lowering_platforms=("cuda",)).as_text()
+    traced = steps.compiled.jitted["decode"].trace(steps.state, engine.cache, engine.decode_state([], [], []),
+                                                   mode="dense", sampling="auto")
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert not re.findall(r"stablehlo\.(all_reduce|all_gather|all_to_all|collective_permute|reduce_scatter)", text)
     kernels = collections.Counter(re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*name = "(peer_\w+)"', text))
     assert kernels == {"peer_all_reduce_add_norm": 2 * CONFIG.num_layers, "peer_all_reduce": 2}
