@@ -111,18 +111,20 @@ def traced(fn):
         return result, (list(jax.profiler.ProfileData.from_file(files[0]).planes) if files else None)
 
 
-# XLA's option that lists what it records as CUDA graphs (command buffers); empty: none.
+# XLA's option that lists what it records as CUDA graphs (command buffers): none; all but loops and conditionals.
 NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}
+NO_LOOP_GRAPHS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"}
 
 
 @contextlib.contextmanager
-def without_graphs(steps, names: set[str]):
+def without_graphs(steps, names: set[str], options: dict = NO_GRAPHS):
     """While inside, the programs ``names`` of ``steps.compiled`` (an engine's ``Steps``, whose ``Compiled``
-    has ``with_options``) run compiled without CUDA graphs, for a trace: a graph's kernels reach it without
-    their op paths, a WHILE graph's mostly not at all (H200, 2026-11-30: 149 of ~906 kernel events of a
-    decode). The kernels are the same; launched one by one, the gaps between them are not the graph's."""
+    has ``with_options``) run compiled with ``options``: by default without CUDA graphs, for a trace: a graph's
+    kernels reach it without their op paths, a WHILE graph's mostly not at all (H200, 2026-11-30: 149 of ~906
+    kernel events of a decode). The kernels are the same; launched one by one, the gaps between them are not
+    the graph's."""
     graphs = steps.compiled
-    steps.compiled = graphs.with_options(NO_GRAPHS, names)
+    steps.compiled = graphs.with_options(options, names)
     try:
         yield
     finally:

@@ -95,7 +95,8 @@ def loop_conditions_on_device(devices: int = 1) -> bool:
     graphs (``WHILE`` command buffers, which ``run``, the server and the benchmarks turn on:
     ``minicpm_jax.cli.system.enable_command_buffers``). XLA's GPU runtime otherwise copies the condition
     to the host before every iteration and waits for it; a block split over several GPUs (``devices`` > 1)
-    has collectives inside, which keep it out of the graphs."""
+    may have XLA collectives inside (without a peer-memory workspace, or with logits too wide for its kernel,
+    ``minicpm_jax.model.parallel``), which keep it out of the graphs, so it keeps the fixed trip count."""
     if jax.default_backend() != "gpu":
         return True
     return devices == 1 and "WHILE" in command_buffer_types()
