@@ -17,10 +17,11 @@ Every decision about splitting a model lives here:
   :class:`TensorParallel`: one all-reduce of each row-parallel sublayer's partial sums (fp32; bf16 past 256K
   elements: ``pallas_kernels.residual``) at the block boundary (the decoder layer's ``residual_add`` /
   ``residual_add_norm`` backend ops over :attr:`~TensorParallel.reduce_axis`, fused with the residual add
-  and the next norm), one for the vocab-parallel embedding lookup, and one all-gather of the logits. The
-  sublayers' all-reduces are XLA's (NCCL or its one-shot kernel) unless :func:`use_peer_all_reduce` gave the
-  mesh a peer-memory workspace (``--tp_all_reduce peer``): then the pallas backend reduces through its own
-  kernel, which XLA keeps inside the step's CUDA graph (``pallas_kernels.peer_all_reduce``). Act-order int4
+  and the next norm), one for the vocab-parallel embedding lookup, and one all-gather of the logits. They are
+  XLA's (NCCL or its one-shot kernel) unless :func:`use_peer_all_reduce` gave the mesh a peer-memory workspace
+  (``--tp_all_reduce peer``): then the sublayers reduce through the pallas backend's kernel, and the lookup's
+  sum and the logits' gather (written as a sum) through the same kernel when they fit it, all of which XLA
+  keeps inside the step's CUDA graph (``pallas_kernels.peer_all_reduce``). Act-order int4
   row-parallel linears all-gather their input first, and sparse attention with a KV head shared by several
   devices all-gathers the selection queries.
 
