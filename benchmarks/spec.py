@@ -35,7 +35,7 @@ from flax import nnx
 from jax import lax
 
 from benchmarks.memory import program_memory
-from benchmarks.timing import carried_loop_time, hlo_op_paths, scoped_seconds, traced, without_graphs
+from benchmarks.timing import NO_GRAPHS, carried_loop_time, hlo_op_paths, recompiled, scoped_seconds, traced
 from minicpm_jax.config import DraftSpec, ModelConfig
 from minicpm_jax.engine.engine import Engine
 from minicpm_jax.engine.speculative.engine import EagleSteps
@@ -100,7 +100,7 @@ def traced_decode(engine: Engine, prompt: list[int], decode_steps: int, scopes: 
     are the same; the trace's idle time is that of launches one by one, and of a host round trip for each
     round's loop condition (which a WHILE graph keeps on the device)."""
     steps = engine.steps
-    with without_graphs(steps, {"decode"}):
+    with recompiled(steps, {"decode"}, NO_GRAPHS):
         engine.generate([prompt], max_new_tokens=decode_steps)
         texts = [exe.as_text() for (name, _, _), exe in steps.compiled.executables.items() if name == "decode"]
         modules = {t.split(None, 2)[1].rstrip(",") for t in texts}

@@ -117,12 +117,12 @@ NO_LOOP_GRAPHS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTO
 
 
 @contextlib.contextmanager
-def without_graphs(steps, names: set[str], options: dict = NO_GRAPHS):
+def recompiled(steps, names: set[str], options: dict):
     """While inside, the programs ``names`` of ``steps.compiled`` (an engine's ``Steps``, whose ``Compiled``
-    has ``with_options``) run compiled with ``options``: by default without CUDA graphs, for a trace: a graph's
-    kernels reach it without their op paths, a WHILE graph's mostly not at all (H200, 2026-11-30: 149 of ~906
-    kernel events of a decode). The kernels are the same; launched one by one, the gaps between them are not
-    the graph's."""
+    has ``with_options``) run compiled with ``options``, for a trace: :data:`NO_GRAPHS` where kernels need
+    their op paths (a graph's kernels reach the trace without them, a WHILE graph's mostly not at all: H200,
+    2026-11-30, 149 of ~906 kernel events of a decode; launched one by one, the gaps between them are not the
+    graph's), :data:`NO_LOOP_GRAPHS` where their names suffice."""
     graphs = steps.compiled
     steps.compiled = graphs.with_options(options, names)
     try:

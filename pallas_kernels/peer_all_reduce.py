@@ -369,7 +369,7 @@ def fits(x: jax.Array, workspace: PeerWorkspace | None) -> bool:
     return workspace is not None and x.dtype == jnp.float32 and x.size <= MAX_ELEMENTS
 
 
-def psum(x: jax.Array, workspace: PeerWorkspace | None, axis_name: Hashable) -> jax.Array:
+def peer_psum(x: jax.Array, workspace: PeerWorkspace | None, axis_name: Hashable) -> jax.Array:
     """``lax.psum(x, axis_name)`` for a float ``x`` of any dtype: through :func:`peer_all_reduce` when there is a
     workspace and ``x`` has at most :data:`MAX_ELEMENTS` elements (summed in fp32, cast back to x's dtype: for
     2 ranks psum's result, and exact where one rank holds each nonzero, as in a vocab-parallel lookup or a

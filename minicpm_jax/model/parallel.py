@@ -46,7 +46,7 @@ from minicpm_jax.config import ModelConfig
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.paged_cache import PagedKVCache
 from minicpm_jax.quant import QuantSpec
-from pallas_kernels.peer_all_reduce import MAX_ELEMENTS, PeerAccessError, PeerWorkspace, allocate_workspace, psum
+from pallas_kernels.peer_all_reduce import MAX_ELEMENTS, PeerAccessError, PeerWorkspace, allocate_workspace, peer_psum
 
 AXIS = "tp"  # the mesh axis tensor parallelism splits over
 
@@ -188,9 +188,9 @@ class TensorParallel:
     def all_reduce(self, x: jax.Array) -> jax.Array:
         """Sum of the shards' partial results (row-parallel linears); identity at size 1. With a peer-memory
         workspace (:attr:`peers`) a message of up to 256K elements goes through its kernel
-        (``pallas_kernels.peer_all_reduce.psum``), so a decode step has no XLA collective left: XLA runs those
+        (``pallas_kernels.peer_all_reduce.peer_psum``), so a decode step has no XLA collective left: XLA runs those
         as thunks between CUDA graphs, which split the step's graph and hand its pace to the host."""
-        return psum(x, self.peers, AXIS) if self.size > 1 else x
+        return peer_psum(x, self.peers, AXIS) if self.size > 1 else x
 
     def all_gather(self, x: jax.Array, axis: int) -> jax.Array:
         """The shards' blocks of ``x`` concatenated along ``axis``; identity at size 1."""

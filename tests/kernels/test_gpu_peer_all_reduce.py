@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from minicpm_jax.model.parallel import AXIS, make_mesh, use_peer_all_reduce
 from pallas_kernels import backend
 from pallas_kernels.peer_all_reduce import (MAX_ELEMENTS, MAX_ROWS, ROW_WORDS, fits_rows, peer_all_reduce,
-                                            peer_all_reduce_add_norm, psum)
+                                            peer_all_reduce_add_norm, peer_psum)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(len(jax.devices()) < 2 or jax.default_backend() != "gpu", reason="needs 2+ GPUs")]
@@ -74,15 +74,15 @@ def test_chained_calls_in_a_device_loop_equal_psum(n):
 
 
 @pytest.mark.parametrize("n", _sizes())
-def test_psum_of_any_float_dtype_equals_lax_psum(n):
-    """``psum`` (the model's embedding lookup and logits gather at a split decode step): bf16 summed in fp32 and
+def test_peer_psum_of_any_float_dtype_equals_lax_psum(n):
+    """``peer_psum`` (the model's embedding lookup and logits gather at a split decode step): bf16 summed in fp32 and
     rounded once, which for 2 ranks is psum's bf16 sum; a message over the kernel's limit goes to XLA."""
     mesh = make_mesh(n)
     workspace = use_peer_all_reduce(mesh)
     use_peer_all_reduce(mesh, enable=False)
     split = lambda f: jax.jit(jax.shard_map(lambda a: f(a[0])[None], mesh=mesh, in_specs=P(AXIS),  # noqa: E731
                                             out_specs=P(AXIS), check_vma=False))
-    kernel, xla = split(lambda v: psum(v, workspace, AXIS)), split(lambda v: lax.psum(v, AXIS))
+    kernel, xla = split(lambda v: peer_psum(v, workspace, AXIS)), split(lambda v: lax.psum(v, AXIS))
     rng = np.random.default_rng(n)
     for dtype, shape in [(jnp.bfloat16, (1, 4096)), (jnp.float32, (1, 73448)), (jnp.bfloat16, (3, 1000)),
                          (jnp.float32, (MAX_ELEMENTS + 8,))]:
