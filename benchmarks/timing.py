@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from minicpm_jax.cli.system import COMMAND_BUFFER_FLAG
+
 
 def device_loop_time(fn, args: tuple, *, iters: int, repeats: int = 2, chain: int = -1) -> list[float]:
     """Seconds per ``fn(*args)``, measured as ``iters`` calls in one ``lax.fori_loop``, for each of
@@ -111,9 +113,11 @@ def traced(fn):
         return result, (list(jax.profiler.ProfileData.from_file(files[0]).planes) if files else None)
 
 
-# XLA's option that lists what it records as CUDA graphs (command buffers): none; all but loops and conditionals.
+# XLA's option that lists what it records as CUDA graphs (command buffers): none; or what the engine's runs record
+# (minicpm_jax.cli.system.COMMAND_BUFFER_FLAG) but loops and conditionals.
 NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}
-NO_LOOP_GRAPHS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"}
+NO_LOOP_GRAPHS = {"xla_gpu_enable_command_buffer": ",".join(
+    k for k in COMMAND_BUFFER_FLAG.split("=", 1)[1].split(",") if k not in ("WHILE", "CONDITIONAL"))}
 
 
 @contextlib.contextmanager

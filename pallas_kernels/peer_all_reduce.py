@@ -17,7 +17,10 @@ bit-identical; for 2 ranks it is ``psum``'s result bit for bit) and stores ``e``
 chosen by the parity of ``e``, make overwriting safe: a rank writes a slot again at ``e + 2`` only after it
 finished call ``e + 1``, which needed every peer's ``e + 1`` values, which each peer stores after it
 finished reading call ``e``. Every rank runs the same calls in the same order (one SPMD program), so the
-counters stay equal. No multicast object, no NVLink SHARP: plain loads and stores to peer memory.
+counters stay equal, and one at a time: XLA runs a program's kernels in order on one stream and records its
+command buffers in that order. A mode that runs independent kernels side by side
+(``--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``) would let two independent calls (a speculative round's
+logits gather and its draft's embedding lookup, say) race on the counters. No multicast object, no NVLink SHARP: plain loads and stores to peer memory.
 
 The loads and stores are inline PTX (``ld/st.volatile.global.v2.u32``, i.e. relaxed at system scope)
 through :data:`_asm_p`, a non-pure version of Pallas' ``elementwise_inline_asm`` (whose asm is pure, so
@@ -367,16 +370,6 @@ def peer_all_reduce(x: jax.Array, workspace: PeerWorkspace, axis_name: Hashable)
 def fits(x: jax.Array, workspace: PeerWorkspace | None) -> bool:
     """Whether :func:`peer_all_reduce` takes ``x`` (a workspace, fp32, at most :data:`MAX_ELEMENTS`)."""
     return workspace is not None and x.dtype == jnp.float32 and x.size <= MAX_ELEMENTS
-
-
-def peer_psum(x: jax.Array, workspace: PeerWorkspace | None, axis_name: Hashable) -> jax.Array:
-    """``lax.psum(x, axis_name)`` for a float ``x`` of any dtype: through :func:`peer_all_reduce` when there is a
-    workspace and ``x`` has at most :data:`MAX_ELEMENTS` elements (summed in fp32, cast back to x's dtype: for
-    2 ranks psum's result, and exact where one rank holds each nonzero, as in a vocab-parallel lookup or a
-    gather written as a sum), else XLA's collective. Call inside ``shard_map``."""
-    if workspace is None or x.size > MAX_ELEMENTS:
-        return lax.psum(x, axis_name)
-    return peer_all_reduce(x.astype(jnp.float32), workspace, axis_name).astype(x.dtype)
 
 
 def fits_rows(x: jax.Array, workspace: PeerWorkspace | None) -> bool:

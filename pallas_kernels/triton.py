@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.attention import MAX_DECODE_QUERIES, attention, paged_decode_attention, paged_prefill_attention
 from pallas_kernels.cache_write import cache_write, paged_cache_write
+from pallas_kernels.collectives import all_reduce, gather_last
 from pallas_kernels.flash import merge_attention
 from pallas_kernels.infllm.common import Geometry
 from pallas_kernels.infllm.compress import (NEW_WINDOWS_MAX, compress_new_windows, compress_windows_reference,
@@ -34,7 +35,8 @@ from pallas_kernels.residual import residual_add, residual_add_norm
 from pallas_kernels.rope_write import paged_rope_write, rope_write
 from pallas_kernels.tree_attention import paged_tree_attention, tree_attention
 
-__all__ = ["attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul",
+__all__ = ["all_reduce", "attention", "block_sparse_attention", "cache_write", "compress_windows", "gather_last",
+           "int4_matmul",
            "matmul", "paged_attention", "paged_block_sparse_attention", "paged_cache_write", "paged_compress_windows",
            "paged_rope_write", "paged_select_blocks", "paged_sparse_attention", "paged_tree_attention", "residual_add",
            "residual_add_norm", "rope_write", "select_blocks", "sparse_attention", "tree_attention",

@@ -12,6 +12,8 @@ import jax
 from pallas_kernels.attention import attention_reference as attention
 from pallas_kernels.cache_write import cache_write_reference as cache_write
 from pallas_kernels.cache_write import paged_cache_write_reference as paged_cache_write
+from pallas_kernels.collectives import all_reduce_reference as all_reduce
+from pallas_kernels.collectives import gather_last_reference as gather_last
 from pallas_kernels.infllm.common import Geometry
 from pallas_kernels.infllm.compress import compress_windows_reference
 from pallas_kernels.infllm.paged import (
@@ -35,7 +37,8 @@ from pallas_kernels.rope_write import rope_write_reference as rope_write
 from pallas_kernels.topk import top_k
 from pallas_kernels.tree_attention import tree_attention_reference as tree_attention
 
-__all__ = ["attention", "block_sparse_attention", "cache_write", "compress_windows", "int4_matmul",
+__all__ = ["all_reduce", "attention", "block_sparse_attention", "cache_write", "compress_windows", "gather_last",
+           "int4_matmul",
            "matmul", "paged_attention", "paged_block_sparse_attention", "paged_cache_write", "paged_compress_windows",
            "paged_rope_write", "paged_select_blocks", "paged_sparse_attention", "paged_tree_attention", "residual_add",
            "residual_add_norm", "rope_write", "select_blocks", "sparse_attention", "tree_attention",

@@ -129,7 +129,7 @@ class MiniCPMForCausalLM(nnx.Module):
         self.mesh = mesh
         # The peer-memory all-reduce is a kernel of the pallas backend; the xla backend reduces through XLA.
         peers = peer_workspace(mesh) if backend.reduces_through_peers(attention_impl) else None
-        self.tp = TensorParallel.of(config, mesh_size(mesh), quant, peers=peers)
+        self.tp = TensorParallel.of(config, mesh_size(mesh), quant, peers=peers, impl=attention_impl)
         sparse = resolve_sparse(config, sparse)
         self.sparse = sparse
         # Sparse attention starts at dense_len tokens; a cache shorter than that never gets there, so such

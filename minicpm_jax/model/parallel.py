@@ -19,11 +19,11 @@ Every decision about splitting a model lives here:
   ``residual_add_norm`` backend ops over :attr:`~TensorParallel.reduce_axis`, fused with the residual add
   and the next norm), one for the vocab-parallel embedding lookup, and one all-gather of the logits. They are
   XLA's (NCCL or its one-shot kernel) unless :func:`use_peer_all_reduce` gave the mesh a peer-memory workspace
-  (``--tp_all_reduce peer``): then the sublayers reduce through the pallas backend's kernel, and the lookup's
-  sum and the logits' gather (written as a sum) through the same kernel when they fit it, all of which XLA
-  keeps inside the step's CUDA graph (``pallas_kernels.peer_all_reduce``). Act-order int4
-  row-parallel linears all-gather their input first, and sparse attention with a KV head shared by several
-  devices all-gathers the selection queries.
+  (``--tp_all_reduce peer``): then the pallas backend's ops (``residual_add_norm`` at the block boundary, the
+  lookup's ``all_reduce`` and the logits' ``gather_last``, ``pallas_kernels.collectives``) go through its kernel
+  when the message fits it, which XLA keeps inside the step's CUDA graph (``pallas_kernels.peer_all_reduce``).
+  Act-order int4 row-parallel linears all-gather their input first, and sparse attention with a KV head shared
+  by several devices all-gathers the selection queries (XLA's, either way).
 
 A model without a mesh runs exactly the single-device program (size 1, no ``shard_map``).
 """
@@ -46,7 +46,8 @@ from minicpm_jax.config import ModelConfig
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.paged_cache import PagedKVCache
 from minicpm_jax.quant import QuantSpec
-from pallas_kernels.peer_all_reduce import MAX_ELEMENTS, PeerAccessError, PeerWorkspace, allocate_workspace, peer_psum
+from pallas_kernels import backend
+from pallas_kernels.peer_all_reduce import PeerAccessError, PeerWorkspace, allocate_workspace
 
 AXIS = "tp"  # the mesh axis tensor parallelism splits over
 
@@ -79,15 +80,17 @@ class TensorParallel:
     intermediate_size: int
     vocab_size: int
     peers: PeerWorkspace | None = None  # the axis' peer-memory workspace (size > 1 only), or None
+    impl: str = "xla"  # the kernel backend whose collective ops run the model's sums and gathers
 
     @classmethod
     def of(cls, config: ModelConfig, size: int = 1, quant: QuantSpec | None = None,
-           peers: PeerWorkspace | None = None) -> "TensorParallel":
-        """The layout of ``config`` over ``size`` devices (with ``peers``, the mesh's
-        :func:`peer_workspace`); MiniCPMError (naming the sizes that work) when ``size`` does not split the
-        heads, the MLP or, for int4 weights, whole scale groups of the row-parallel linears."""
+           peers: PeerWorkspace | None = None, impl: str = "xla") -> "TensorParallel":
+        """The layout of ``config`` over ``size`` devices (with ``peers``, the mesh's :func:`peer_workspace`,
+        which the collective ops of the kernel backend ``impl`` may use: ``pallas_kernels.collectives``);
+        MiniCPMError (naming the sizes that work) when ``size`` does not split the heads, the MLP or, for int4
+        weights, whole scale groups of the row-parallel linears."""
         tp = cls(size, config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size,
-                 config.vocab_size, peers if size > 1 else None)
+                 config.vocab_size, peers if size > 1 else None, impl)
         problem = tp.problem(quant)
         if problem:
             sizes = ", ".join(map(str, cls.valid_sizes(config, quant)))
@@ -186,11 +189,10 @@ class TensorParallel:
         return AXIS if self.size > 1 else None
 
     def all_reduce(self, x: jax.Array) -> jax.Array:
-        """Sum of the shards' partial results (row-parallel linears); identity at size 1. With a peer-memory
-        workspace (:attr:`peers`) a message of up to 256K elements goes through its kernel
-        (``pallas_kernels.peer_all_reduce.peer_psum``), so a decode step has no XLA collective left: XLA runs those
-        as thunks between CUDA graphs, which split the step's graph and hand its pace to the host."""
-        return peer_psum(x, self.peers, AXIS) if self.size > 1 else x
+        """Sum of the shards' ``x`` (the embedding lookup's rows, a row-parallel linear's partial results);
+        identity at size 1. The backend's ``all_reduce`` (``pallas_kernels.collectives``): with a peer-memory
+        workspace the pallas one sums a small message through its kernel, inside the step's CUDA graph."""
+        return backend.get(self.impl).all_reduce(x, axis_name=AXIS, peers=self.peers) if self.size > 1 else x
 
     def all_gather(self, x: jax.Array, axis: int) -> jax.Array:
         """The shards' blocks of ``x`` concatenated along ``axis``; identity at size 1."""
@@ -208,17 +210,12 @@ class TensorParallel:
         return self.all_reduce(jnp.where(inside[..., None], x, jnp.zeros((), x.dtype)))
 
     def gather_vocab(self, logits: jax.Array) -> jax.Array:
-        """Vocab-parallel logits ``[..., vocab_padded / size]`` → ``[..., vocab_size]`` on every shard. With a
-        peer-memory workspace and at most 256K elements in all (a decode step's few rows), the gather is a sum
-        of each shard's block placed in zeros (exact) through :meth:`all_reduce`, for the reason given there."""
+        """Vocab-parallel logits ``[..., vocab_padded / size]`` → ``[..., vocab_size]`` on every shard, through the
+        backend's ``gather_last`` (the pallas one, with a peer-memory workspace, a decode step's few rows as a sum
+        through its kernel)."""
         if self.size == 1:
             return logits
-        if self.peers is None or logits.size * self.size > MAX_ELEMENTS:
-            return self.all_gather(logits, -1)[..., : self.vocab_size]
-        rows = logits.shape[-1]
-        placed = lax.dynamic_update_slice_in_dim(jnp.zeros((*logits.shape[:-1], rows * self.size), logits.dtype),
-                                                 logits, lax.axis_index(AXIS) * rows, axis=logits.ndim - 1)
-        return self.all_reduce(placed)[..., : self.vocab_size]
+        return backend.get(self.impl).gather_last(logits, axis_name=AXIS, peers=self.peers)[..., : self.vocab_size]
 
     def group_queries(self, q: jax.Array) -> jax.Array:
         """``q [B, T, q_heads, D]`` → the queries of this shard's whole GQA group ``[B, T, H / KVH, D]``

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,13 +20,14 @@ from flax import nnx
 from benchmarks.int4 import add_peer, int4_markdown
 from benchmarks.spec import oracle_accept
 from benchmarks.timing import (
-    carried_loop, carried_loop_time, device_loop, device_loop_time, gpu_timeline, hlo_op_paths, kernel_seconds,
-    loop_kernel_time, scoped_seconds,
+    NO_LOOP_GRAPHS, carried_loop, carried_loop_time, device_loop, device_loop_time, gpu_timeline, hlo_op_paths,
+    kernel_seconds, loop_kernel_time, recompiled, scoped_seconds,
 )
 from minicpm_jax.config import DraftSpec, ModelConfig
 from minicpm_jax.engine.engine import Engine
 from minicpm_jax.engine.speculative.engine import EagleSteps
 from minicpm_jax.engine.speculative.rounds import SpecConfig
+from minicpm_jax.engine.steps import Compiled
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.causal_lm import MiniCPMForCausalLM
 from minicpm_jax.model.draft import EagleDraft
@@ -112,6 +114,21 @@ def test_gpu_timeline_merges_streams_and_counts_idle_gaps():
     assert t["kernels"] == 5 and t["gaps"] == 1 and t["gaps_s"] == pytest.approx(5e-6)
     assert gpu_timeline(planes, device=1)["busy_s"] == pytest.approx(100e-6)
     assert gpu_timeline(planes, device=2) == {"span_s": 0.0, "busy_s": 0.0, "kernels": 0, "gaps_s": 0.0, "gaps": 0}
+
+
+def test_recompiled_swaps_the_named_programs_options_in_and_back():
+    """A trace's programs: inside ``recompiled`` the steps hold a Compiled with the options (only the named
+    programs recompile: tests/engine/test_engine.py), after it the original, also when the body raises."""
+    base = Compiled({"decode": jax.jit(lambda x: x + 1), "prefill": jax.jit(lambda x: x * 2)})
+    steps = SimpleNamespace(compiled=base)
+    with pytest.raises(RuntimeError, match="inside"):
+        with recompiled(steps, {"decode"}, NO_LOOP_GRAPHS):
+            assert steps.compiled is not base and steps.compiled.compiler_options == NO_LOOP_GRAPHS
+            np.testing.assert_array_equal(steps.compiled("decode", None, jnp.arange(3.0)), jnp.arange(1.0, 4.0))
+            raise RuntimeError("inside")
+    assert steps.compiled is base
+    kinds = NO_LOOP_GRAPHS["xla_gpu_enable_command_buffer"].split(",")
+    assert "FUSION" in kinds and "CUSTOM_CALL" in kinds and not {"WHILE", "CONDITIONAL"} & set(kinds)
 
 
 def test_scoped_seconds_splits_a_program_by_named_scope():
@@ -242,8 +259,6 @@ def test_bench_tensor_parallel_smoke_on_cpu(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
     assert [(row["tensor_parallel"], row["spmd"]) for row in result["rows"]] == [(1, False), (2, True), (1, True)]
-    # the profile (its decode recompiled for the trace) ran; a CPU trace has no GPU kernels to report
-    assert all(row["kernel_ms_per_step"] is None for row in result["rows"])
     assert result["rows"][1]["cache_bytes"] * 2 == result["rows"][0]["cache_bytes"]  # each device its KV heads
     assert all(row["decode_ms_per_token"][0] > 0 for row in result["rows"])
     [allreduce] = result["collectives"]

@@ -4,7 +4,7 @@ more), over repeated calls of changing sizes (the counters and the two slots of 
 last tile, and a device-side loop (XLA's while command buffer); the fused all-reduce + add + norm kernel
 wherever its rows fit (the backend picks it for one row only), else the pallas backend's residual add + norm
 through the plain kernel, over calls of changing rows and widths interleaved (each kernel's counters and
-slots), against the reference ops."""
+slots), against the reference ops; the collective ops of ``pallas_kernels.collectives`` against XLA's."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from minicpm_jax.model.parallel import AXIS, make_mesh, use_peer_all_reduce
 from pallas_kernels import backend
 from pallas_kernels.peer_all_reduce import (MAX_ELEMENTS, MAX_ROWS, ROW_WORDS, fits_rows, peer_all_reduce,
-                                            peer_all_reduce_add_norm, peer_psum)
+                                            peer_all_reduce_add_norm)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(len(jax.devices()) < 2 or jax.default_backend() != "gpu", reason="needs 2+ GPUs")]
@@ -74,24 +74,28 @@ def test_chained_calls_in_a_device_loop_equal_psum(n):
 
 
 @pytest.mark.parametrize("n", _sizes())
-def test_peer_psum_of_any_float_dtype_equals_lax_psum(n):
-    """``peer_psum`` (the model's embedding lookup and logits gather at a split decode step): bf16 summed in fp32 and
-    rounded once, which for 2 ranks is psum's bf16 sum; a message over the kernel's limit goes to XLA."""
+def test_collective_ops_through_peers_equal_the_references(n):
+    """The pallas backend's ``all_reduce`` (bf16 summed in fp32 and rounded once: at 2 ranks psum's bf16 sum) and
+    ``gather_last`` (a sum of placed blocks: the gather's values) against XLA's, with messages the kernel takes
+    and ones past its limit (which go to XLA: then both sides are XLA's, checked only not to fail)."""
     mesh = make_mesh(n)
     workspace = use_peer_all_reduce(mesh)
     use_peer_all_reduce(mesh, enable=False)
     split = lambda f: jax.jit(jax.shard_map(lambda a: f(a[0])[None], mesh=mesh, in_specs=P(AXIS),  # noqa: E731
                                             out_specs=P(AXIS), check_vma=False))
-    kernel, xla = split(lambda v: peer_psum(v, workspace, AXIS)), split(lambda v: lax.psum(v, AXIS))
+    pallas, xla = backend.get("pallas"), backend.get("xla")
     rng = np.random.default_rng(n)
-    for dtype, shape in [(jnp.bfloat16, (1, 4096)), (jnp.float32, (1, 73448)), (jnp.bfloat16, (3, 1000)),
-                         (jnp.float32, (MAX_ELEMENTS + 8,))]:
-        x = jnp.asarray(rng.standard_normal((n, *shape), np.float32), dtype)
-        got, want = (np.asarray(f(x).astype(jnp.float32)) for f in (kernel, xla))
-        if n == 2 or dtype == jnp.float32:
-            _check(n, got, want)
-        else:  # NCCL's ring rounds each partial sum to bf16; the kernel rounds the fp32 sum once
-            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    for op in ("all_reduce", "gather_last"):
+        kernel = split(lambda v, op=op: getattr(pallas, op)(v, axis_name=AXIS, peers=workspace))
+        reference = split(lambda v, op=op: getattr(xla, op)(v, axis_name=AXIS))
+        for dtype, shape in [(jnp.bfloat16, (1, 4096)), (jnp.float32, (1, 73448 // n)), (jnp.bfloat16, (3, 1000)),
+                             (jnp.float32, (MAX_ELEMENTS // n + 8,))]:
+            x = jnp.asarray(rng.standard_normal((n, *shape), np.float32), dtype)
+            got, want = (np.asarray(f(x).astype(jnp.float32)) for f in (kernel, reference))
+            if op == "gather_last" or n == 2 or dtype == jnp.float32:
+                _check(n, got, want)
+            else:  # NCCL's ring rounds each partial sum to bf16; the kernel rounds the fp32 sum once
+                np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
 
 
 # (rows, width): the fused kernel's rows of changing count and width, and ones it does not take (not a power

@@ -90,6 +90,32 @@ def test_pallas_residual_ops_choose_the_kernel_only_when_it_applies():
     assert layer(ws, MAX_ELEMENTS // 256 + 1) == []  # a prefill-sized message: lax.psum
 
 
+def test_pallas_collective_ops_choose_the_kernel_only_when_it_applies():
+    """``all_reduce`` and ``gather_last`` (``pallas_kernels.collectives``) go through the plain peer kernel for a
+    float message within its limit (the gather's message is the whole result: size times the block), else XLA."""
+    ws = PeerWorkspace(WORKSPACE.addresses[:2])
+
+    def ops(name, x, peers=ws):
+        return _triton_calls(_split(lambda a: getattr(PALLAS, name)(a[0], axis_name=AXIS, peers=peers)[None], 2), x)
+
+    assert ops("all_reduce", jnp.zeros((2, 1, 4096), jnp.bfloat16)) == [f"peer_all_reduce {4096 // TILE}x1"]
+    assert ops("all_reduce", jnp.zeros((2, 1, 4096), jnp.int32)) == []  # not a float: lax.psum
+    assert ops("all_reduce", jnp.zeros((2, MAX_ELEMENTS + 1), jnp.float32)) == []
+    assert ops("all_reduce", jnp.zeros((2, 1, 4096), jnp.float32), peers=None) == []
+    half = MAX_ELEMENTS // 2
+    assert ops("gather_last", jnp.zeros((2, 1, half), jnp.float32)) == [f"peer_all_reduce {MAX_ELEMENTS // TILE}x1"]
+    assert ops("gather_last", jnp.zeros((2, 1, half + 1), jnp.float32)) == []  # 2 blocks past the limit
+
+
+def test_pallas_collective_ops_without_a_workspace_equal_the_reference():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 10), np.float32))
+    for name in ("all_reduce", "gather_last"):
+        got, want = (np.asarray(_split(lambda a, ns=ns: getattr(ns, name)(a[0], axis_name=AXIS)[None], 2)(x))
+                     for ns in (PALLAS, backend.get("xla")))
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got[0], np.concatenate([x[0], x[1]], axis=-1))  # the gather: rank 0's block first
+
+
 def test_pallas_residual_ops_without_a_workspace_equal_the_reference():
     rng = np.random.default_rng(0)
     parts = jnp.asarray(rng.standard_normal((2, 3, 64), np.float32))
