@@ -86,10 +86,9 @@ def profiled_decode(engine: Engine, prompts, decode_steps: int) -> dict | None:
     The decode program is compiled for the traces with CUDA graphs for everything but loops
     (:func:`~benchmarks.timing.recompiled` with :data:`~benchmarks.timing.NO_LOOP_GRAPHS`): a WHILE graph's
     kernels mostly never reach the trace (a TP 1 decode counted 18 launches a step), while those of a step's
-    graphs do, by name. Without any graph (as the
-    spec split traces, for op paths) a split model's all-reduce kernels would count the GPUs' drift as they
-    wait for each other: 3.6 ms a step of an int4 TP 2 decode against 0.37 ms with the step's graphs
-    (2x H200, 2026-11-30)."""
+    graphs do, by name. Without any graph (as the spec split traces, for op paths) a split model's all-reduce
+    kernels would count the GPUs' drift as they wait for each other: 3.6 ms a step of an int4 TP 2 decode
+    against 0.37 ms with the step's graphs (2x H200, 2026-11-30)."""
     with recompiled(engine.steps, {"decode"}, NO_LOOP_GRAPHS):
         engine.generate(prompts, max_new_tokens=2)
         short, long = (traced(lambda n=n: engine.generate(prompts, max_new_tokens=PROFILE_BASE + n))[1]

@@ -20,7 +20,8 @@ finished reading call ``e``. Every rank runs the same calls in the same order (o
 counters stay equal, and one at a time: XLA runs a program's kernels in order on one stream and records its
 command buffers in that order. A mode that runs independent kernels side by side
 (``--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``) would let two independent calls (a speculative round's
-logits gather and its draft's embedding lookup, say) race on the counters. No multicast object, no NVLink SHARP: plain loads and stores to peer memory.
+logits gather and its draft's embedding lookup, say) race on the counters. No multicast object, no NVLink SHARP:
+plain loads and stores to peer memory.
 
 The loads and stores are inline PTX (``ld/st.volatile.global.v2.u32``, i.e. relaxed at system scope)
 through :data:`_asm_p`, a non-pure version of Pallas' ``elementwise_inline_asm`` (whose asm is pure, so

@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.peer_all_reduce import (MAX_ELEMENTS, PeerWorkspace, fits, fits_rows, peer_all_reduce,
-                                            peer_all_reduce_add_norm)
+from pallas_kernels.collectives import all_reduce
+from pallas_kernels.peer_all_reduce import MAX_ELEMENTS, PeerWorkspace, fits_rows, peer_all_reduce_add_norm
 
 # Rows up to which residual_add_norm takes the fused kernel. Measured end to end on 2x H200 (MiniCPM4-8B shape,
 # TP 2, 2026-11-28): one row (batch-1 decode) gained (3.398 -> 3.252 ms/token), 16 rows lost (3.867 -> 4.058).
@@ -90,16 +90,15 @@ def _reduce(partial: jax.Array, residual: jax.Array, axis_name: Hashable | None,
             peers: PeerWorkspace | None) -> jax.Array:
     if axis_name is None:
         return partial
-    if fits(partial, peers):
-        return peer_all_reduce(partial, peers, axis_name)
-    # No workspace, or a wide message (a prefill chunk's): XLA's collective, on the message the reference sends.
-    return lax.psum(_message(partial, residual), axis_name)
+    # The message the reference sends, through the peer kernel when it takes it (an fp32 message: up to
+    # WIDE_MESSAGE elements), else XLA's collective (no workspace, or a prefill chunk's wide message).
+    return all_reduce(_message(partial, residual), axis_name=axis_name, peers=peers)
 
 
 def residual_add(partial: jax.Array, residual: jax.Array, scale: float, *, axis_name: Hashable | None = None,
                  peers: PeerWorkspace | None = None) -> jax.Array:
     """:func:`residual_add_reference`, reduced through the peer-memory kernel when ``peers`` is given and the
-    message fits (:func:`~pallas_kernels.peer_all_reduce.fits`), else through ``lax.psum``."""
+    message fits it (:func:`~pallas_kernels.collectives.all_reduce`: up to 256K elements), else through ``lax.psum``."""
     return _add(_reduce(partial, residual, axis_name, peers), residual, scale)
 
 
