@@ -48,8 +48,11 @@ from jax.experimental import pallas as pl
 from jax.core import ShapedArray
 from jax.extend.core import Primitive
 
-TILE = 1024  # elements per program (8 KB of LL words pushed to each peer)
-MAX_PROGRAMS = 256  # programs per call: co-resident on an H100/H200 (every program polls for its peers')
+# Elements per program (4 KB of LL words pushed to each peer). Half the 1,024 of the first version: a batch-16
+# TP 2 decode step (16 x 4,096 fp32 messages) ran 5.5% faster with twice the programs (2x H200, 2026-11-30,
+# alternating processes; docs/lab_notes/2026-11-30-forty-seventh-session.md).
+TILE = 512
+MAX_PROGRAMS = 512  # programs per call: co-resident on an H100/H200 (every program polls for its peers')
 MAX_ELEMENTS = TILE * MAX_PROGRAMS  # the largest message (256K fp32; a batch of 64 rows of 4096)
 # The fused all-reduce + residual add + RMSNorm (:func:`peer_all_reduce_add_norm`) works in rows:
 ROW_WORDS = 8192  # the widest row (a row's place in the workspace: ``row * ROW_WORDS``)

@@ -83,8 +83,10 @@ def test_pallas_residual_ops_choose_the_kernel_only_when_it_applies():
     # one row: the reduction + add + norm in one kernel (a program a row: the width is one tile), then the
     # last layer's plain reduction (one program a TILE of the message) and XLA's add
     assert layer(ws, 1) == ["peer_all_reduce_add_norm 1x1", "peer_all_reduce 1x1"]
-    assert layer(ws, 1, width=4096) == [f"peer_all_reduce_add_norm 1x{4096 // ROW_TILE}", "peer_all_reduce 4x1"]
-    assert layer(ws, FUSED_ROWS + 3) == ["peer_all_reduce 1x1"] * 2  # more rows than FUSED_ROWS: XLA's add + norm
+    assert layer(ws, 1, width=4096) == [f"peer_all_reduce_add_norm 1x{4096 // ROW_TILE}",
+                                        f"peer_all_reduce {4096 // TILE}x1"]
+    # more rows than FUSED_ROWS: XLA's add + norm
+    assert layer(ws, FUSED_ROWS + 3) == [f"peer_all_reduce {-(-(FUSED_ROWS + 3) * 256 // TILE)}x1"] * 2
     assert layer(ws, 1, width=96) == ["peer_all_reduce 1x1"] * 2  # not a power-of-2 row
     assert layer(None, 4) == []  # no workspace: lax.psum
     assert layer(ws, MAX_ELEMENTS // 256 + 1) == []  # a prefill-sized message: lax.psum
