@@ -78,6 +78,11 @@ class Attention(nnx.Module):
         cfg = self.config
         return rope_frequencies(cfg.rope, cfg.head_dim, self.max_length, cfg.max_position_embeddings)
 
+    def rope_tables(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """RoPE's ``cos, sin`` float32 ``[B, T, D/2]`` of ``positions int32[B, T]``: the same in every layer of a
+        model, so the model computes them once a forward and passes them to each layer (``tables``)."""
+        return rope_tables(positions, *self._rope())
+
     def _unrotate(self, inv_freq, rope_scale):
         return rope_inverse(inv_freq, rope_scale) if self.sparse.use_nope else None
 
@@ -92,7 +97,7 @@ class Attention(nnx.Module):
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, valid: jax.Array, cache: KVCache, kv_lengths: jax.Array,
-        mode: str = "dense", tree: TreeInputs | None = None,
+        mode: str = "dense", tree: TreeInputs | None = None, tables: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """x ``[B, T, hidden]``, positions ``int32[B, T]``, valid ``bool[B, T]``; returns (``[B, T, hidden]``: the output, or
         this shard's fp32 partial sum of it when split; cache).
@@ -109,6 +114,10 @@ class Attention(nnx.Module):
         each node's length) as plain InfLLM-v2 decoding of its ancestor path would
         (:func:`~minicpm_jax.infllm.attention.tree_sparse_attention`). The compressed caches are left to the
         committed tokens (:meth:`extend_compressed` after the accepted path is in place).
+        tables: :meth:`rope_tables` of ``positions`` when the caller has them (None: computed here). Each
+        layer's own would be a kernel a layer under tensor parallelism: inside ``shard_map`` every layer's
+        frequencies become a separate operand of the decode loop, which XLA does not merge (2× H200: 36 µs a
+        step at TP 2).
         """
         cfg = self.config
         ops = self.kernels
@@ -117,7 +126,7 @@ class Attention(nnx.Module):
         nq = self.q_heads * d
         heads = self.qkv_proj(x).reshape(b, t, self.q_heads + 2 * self.kv_heads, d)  # q, k, v heads
         inv_freq, rope_scale = self._rope()
-        cos, sin = rope_tables(positions, inv_freq, rope_scale)  # the same tables in every layer
+        cos, sin = rope_tables(positions, inv_freq, rope_scale) if tables is None else tables
         q_nope = heads[:, :, : self.q_heads]
         sp = self.sparse
 

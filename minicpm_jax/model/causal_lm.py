@@ -61,11 +61,12 @@ class DecoderLayer(nnx.Module):
         return x, cache
 
     def forward(self, x, h, positions, valid, cache: KVCache, kv_lengths, mode: str = "dense", tree=None,
-                next_norm: RMSNorm | None = None):
+                next_norm: RMSNorm | None = None, tables=None):
         """The layer in a chain: ``h`` is ``input_layernorm(x)`` (from the layer before); returns ``(x',
-        next_norm(x') or None, cache)``, the norm fused with the MLP's residual add."""
+        next_norm(x') or None, cache)``, the norm fused with the MLP's residual add. tables: the RoPE tables of
+        ``positions`` shared by the chain (:meth:`Attention.rope_tables`), or None."""
         ops = backend.get(self.impl)
-        attn, cache = self.self_attn(h, positions, valid, cache, kv_lengths, mode, tree)
+        attn, cache = self.self_attn(h, positions, valid, cache, kv_lengths, mode, tree, tables)
         post = self.post_attention_layernorm
         x, h = ops.residual_add_norm(attn, x, self.residual_scale, post.weight[...], eps=post.eps,
                                      axis_name=self.axis_name, peers=self.peers)
@@ -232,11 +233,13 @@ class MiniCPMForCausalLM(nnx.Module):
                 seen = {}
                 layers = self.model.layers
                 h = layers[0].input_layernorm(x)
+                tables = layers[0].self_attn.rope_tables(positions)  # once for every layer
                 for i, layer in enumerate(layers):
                     if i in capture:
                         seen[i] = x
                     next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-                    x, h, cache = layer.forward(x, h, positions, valid, cache, kv_lengths, mode, tree, next_norm)
+                    x, h, cache = layer.forward(x, h, positions, valid, cache, kv_lengths, mode, tree, next_norm,
+                                                tables)
                 if mode == "dense" and tree is None:
                     # Dense layers leave the compressed keys to here, once every layer's keys are written
                     # (see Attention.__call__); trees leave them to the committed path.

@@ -276,6 +276,18 @@ def test_with_a_peer_workspace_a_decode_step_has_no_xla_collective(ckpt, monkeyp
     assert kernels == {"peer_all_reduce_add_norm": 2 * CONFIG.num_layers, "peer_all_reduce": 2}
 
 
+def test_a_split_decode_step_computes_ropes_tables_once(ckpt):
+    """Every layer rotates by the same cos/sin: the forward computes them once and hands them to each layer.
+    Each layer's own became a kernel a layer under ``shard_map`` (its frequencies a separate loop operand)."""
+    model = load_model(ckpt, dtype=jnp.float32, max_length=MAX_LEN, attention_impl="xla", sparse="off")
+    engine = Engine(shard_model(model, make_mesh(2)), batch_size=1, chunk_length=32, decode_block=1)
+    steps = engine.steps
+    traced = steps.compiled.jitted["decode"].trace(steps.state, engine.cache, engine.decode_state([], [], []),
+                                                   mode="dense", sampling="auto")
+    text = traced.lower().as_text()
+    assert CONFIG.num_layers > 1 and len(re.findall(r"stablehlo\.cosine", text)) == 1
+
+
 # ------------------------------------------------------------------------------------ memory and saving
 def test_memory_plan_counts_each_devices_share(ckpt):
     sizing = dict(max_length=1024, batch_size=2, dtype=jnp.bfloat16, sparse=None, weights=0, budget=1 << 40,
