@@ -22,7 +22,7 @@ BACKENDS: dict[str, ModuleType] = {"xla": xla, "pallas": triton}
 CHOICES = (AUTO, *BACKENDS)
 # What every backend namespace provides (checked by the tests).
 OPS = ("all_reduce", "attention", "block_sparse_attention", "cache_write", "compress_windows", "gather_last",
-       "int4_matmul", "matmul",
+       "int4_matmul", "int4_matmul_parts", "matmul", "matmul_parts",
        "paged_attention", "paged_block_sparse_attention", "paged_cache_write", "paged_compress_windows",
        "paged_rope_write", "paged_select_blocks", "paged_sparse_attention", "paged_tree_attention", "residual_add",
        "residual_add_norm", "rope_write", "select_blocks", "sparse_attention", "tree_attention", "tree_merge_attention")

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,7 @@ from pallas_kernels.int4_codes import (PAIR_LOW_HALF, PLANE_BITS, SYM_ZERO, cent
                                        pairs_for, plane_pair, planes_x)
 from pallas_kernels.launch import (KernelConfig, interpreted, is_power_of_2, launch_options, next_power_of_2,
                                    num_cores)
+from pallas_kernels.matmul import SplitSum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -522,6 +524,25 @@ def int4_matmul(
     config / splits: override the launch choice of :func:`choose_config` (tuning, tests).
     kernel: "tile" or "planes" / "planes_t" (see :func:`_plane_kernel`); default :func:`default_kernel`.
     """
+    if math.prod(x.shape[:-1]) > MAX_KERNEL_ROWS and config is None:  # prefill chunks: dequantize, XLA's GEMM
+        return int4_matmul_prefill(x, qweight, scales, zeros, perm, group_size=group_size, out_dtype=out_dtype,
+                                   interpret=interpret)
+    y = int4_matmul_parts(x, qweight, scales, zeros, perm, group_size=group_size, config=config, splits=splits,
+                          kernel=kernel, interpret=interpret)
+    return y.total().astype(out_dtype or x.dtype)
+
+
+def int4_matmul_parts_reference(x, qweight, scales, zeros=None, perm=None, *, group_size: int) -> SplitSum:
+    """:func:`int4_matmul_reference` in fp32 as one part: ``SplitSum([1, rows, N])``."""
+    y = int4_matmul_reference(x, qweight, scales, zeros, perm, group_size=group_size, out_dtype=jnp.float32)
+    return SplitSum(y.reshape(1, -1, y.shape[-1]), y.shape)
+
+
+def int4_matmul_parts(x, qweight, scales, zeros=None, perm=None, *, group_size: int,
+                      config: Int4Config | None = None, splits: int | None = None, kernel: str | None = None,
+                      interpret: bool | None = None) -> SplitSum:
+    """:func:`int4_matmul` in fp32 with the kernels' K-split partial sums left unreduced (a row-parallel
+    linear's, which the all-reduce kernel adds: ``pallas_kernels.residual``); prefill chunks: one part."""
     k, n = _shape_kn(qweight)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
@@ -530,9 +551,10 @@ def int4_matmul(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if m > MAX_KERNEL_ROWS and config is None:  # prefill chunks: dequantize after x exists, XLA's GEMM
-        return int4_matmul_prefill(x, qweight, scales, zeros, perm, group_size=group_size, out_dtype=out_dtype,
-                                   interpret=interpret)
+    if m > MAX_KERNEL_ROWS and config is None:
+        y = int4_matmul_prefill(x, qweight, scales, zeros, perm, group_size=group_size, out_dtype=jnp.float32,
+                                interpret=interpret)
+        return SplitSum(y.reshape(1, m, n), (*lead, n))
     kernel = kernel or default_kernel(m, group_size)
     if kernel not in KERNELS:
         raise ValueError(f"unknown int4 kernel {kernel!r}; expected one of {KERNELS}")
@@ -542,8 +564,8 @@ def int4_matmul(
     if block_k % chunk or k % (block_k * num_splits):
         raise ValueError(f"block_k {block_k} x {num_splits} splits does not tile K={k} in groups of {group_size}")
     if kernel != "tile":
-        return _planes_matmul(x2, qweight, scales, zeros, perm, cfg, num_splits, chunk, group_size, kernel,
-                              interpret).astype(out_dtype or x.dtype).reshape(*lead, n)
+        return SplitSum(_planes_matmul(x2, qweight, scales, zeros, perm, cfg, num_splits, chunk, group_size, kernel,
+                                       interpret), (*lead, n))
     if perm is not None:
         x2 = jnp.take(x2, perm, axis=1)
     gemv = m == 1
@@ -575,13 +597,12 @@ def int4_matmul(
         out_shape=jax.ShapeDtypeStruct((num_splits, m_pad, n), jnp.float32),
         **launch_options(KernelConfig(block_m, chunk, cfg.num_warps, cfg.num_stages), interpret),
     )(*args)
-    y = partial[0] if num_splits == 1 else jnp.sum(partial, axis=0)
-    return y[:m].astype(out_dtype or x.dtype).reshape(*lead, n)
+    return SplitSum(partial, (*lead, n))
 
 
 def _planes_matmul(x2, qweight, scales, zeros, perm, cfg: Int4Config, num_splits: int, chunk: int,
                    group_size: int, kernel: str, interpret):
-    """``x2 [m, K] @ dequant(W)`` through :func:`_plane_kernel`; float32 ``[m, N]``."""
+    """``x2 [m, K] @ dequant(W)`` through :func:`_plane_kernel`: its float32 K-split parts ``[S, m_pad, N]``."""
     k, n = _shape_kn(qweight)
     m = x2.shape[0]
     if perm is not None:
@@ -639,5 +660,4 @@ def _planes_matmul(x2, qweight, scales, zeros, perm, cfg: Int4Config, num_splits
         out_shape=jax.ShapeDtypeStruct((num_splits, m_pad, n), jnp.float32),
         **launch_options(KernelConfig(block_m, chunk, cfg.num_warps, cfg.num_stages), interpret),
     )(*args)
-    y = partial[0] if num_splits == 1 else jnp.sum(partial, axis=0)
-    return y[:m]
+    return partial

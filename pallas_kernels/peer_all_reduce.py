@@ -48,6 +48,8 @@ from jax.experimental import pallas as pl
 from jax.core import ShapedArray
 from jax.extend.core import Primitive
 
+from pallas_kernels.matmul import SplitSum
+
 # Elements per program (4 KB of LL words pushed to each peer). Half the 1,024 of the first version: a batch-16
 # TP 2 decode step (16 x 4,096 fp32 messages) ran 5.5% faster with twice the programs (2x H200, 2026-11-30,
 # alternating processes; docs/lab_notes/2026-11-30-forty-seventh-session.md).
@@ -63,6 +65,9 @@ _ROW_COUNTERS = MAX_PROGRAMS  # first word of the rows' counters (after the flat
 _ROW_PARTIALS = _ROW_COUNTERS + MAX_ROWS * MAX_TILES  # first word of the rows' programs' sums of squares
 _COUNTERS = _ROW_PARTIALS + MAX_ROWS * MAX_TILES  # counter-like words in all; the slots follow
 _WORD = 8  # bytes of one LL word: {fp32 bits, flag}
+# K-split parts (``SplitSum``) the fused kernel adds as it reads them; more are added by XLA first (each
+# program reads its tile of every part: 32 int4 down_proj parts would be 128 KB a program).
+MAX_PARTS = 8
 
 
 # ------------------------------------------------------------------------------------ the inline asm
@@ -291,9 +296,10 @@ def _kernel(table_ref, rank_ref, x_ref, o_ref, *, size: int, elements: int):
 
 def _add_norm_kernel(table_ref, rank_ref, x_ref, r_ref, w_ref, h_ref, n_ref, *, size: int, width: int,
                      scale: float, eps: float):
-    """Program ``(row, j)`` of a ``(rows, width // tile)`` grid; the refs are tile ``j`` of the row. It reduces
-    its tile as :func:`_kernel` does, adds it to the residual, and trades its tile's sum of squares with the
-    row's other programs on this GPU (one LL word each: this workspace's partial-sum words), for the norm."""
+    """Program ``(row, j)`` of a ``(rows, width // tile)`` grid; the refs are tile ``j`` of the row (``x_ref``:
+    of each split part, ``[S, tile]``). It adds the parts in order, reduces its tile as :func:`_kernel` does, adds
+    it to the residual, and trades its tile's sum of squares with the row's other programs on this GPU (one LL
+    word each: this workspace's partial-sum words), for the norm."""
     row, j = pl.program_id(0), pl.program_id(1)
     rank = rank_ref[0]
     tile = x_ref.shape[-1]
@@ -305,7 +311,10 @@ def _add_norm_kernel(table_ref, rank_ref, x_ref, r_ref, w_ref, h_ref, n_ref, *, 
     epoch = last + 1  # every counter of a row holds the same count (see the end)
     parity = epoch & 1
     word = (row * ROW_WORDS + j * tile + lanes).astype(jnp.uint32)
-    bits = _push(table_ref, rank, size, lax.bitcast_convert_type(x_ref[...], jnp.uint32),
+    x = x_ref[0]
+    for s in range(1, x_ref.shape[0]):  # the split parts, in order
+        x = x + x_ref[s]
+    bits = _push(table_ref, rank, size, lax.bitcast_convert_type(x, jnp.uint32),
                  word + _row_slot_offset(parity, rank.astype(jnp.uint32), size), epoch, _vector(1, tile))
     own = lax.bitcast_convert_type(bits, jnp.float32)
     total = None
@@ -376,44 +385,56 @@ def fits(x: jax.Array, workspace: PeerWorkspace | None) -> bool:
     return workspace is not None and x.dtype == jnp.float32 and x.size <= MAX_ELEMENTS
 
 
-def fits_rows(x: jax.Array, workspace: PeerWorkspace | None) -> bool:
-    """Whether :func:`peer_all_reduce_add_norm` takes partial sums ``x [..., H]``: :func:`fits`, ``H`` a power
-    of 2 from 16 to :data:`ROW_WORDS` (tiles of ``ROW_TILE`` or one tile), at most :data:`MAX_ROWS` rows
-    (so at most ``MAX_PROGRAMS`` programs, as :func:`peer_all_reduce`)."""
-    width = x.shape[-1] if x.ndim else 0
-    return (fits(x, workspace) and 16 <= width <= ROW_WORDS and width & (width - 1) == 0
-            and x.size // width <= MAX_ROWS)
+def _split(x: jax.Array | SplitSum) -> SplitSum:
+    """``x [..., H]`` as one part, or ``x`` itself."""
+    return x if isinstance(x, SplitSum) else SplitSum(x.reshape(1, x.size // x.shape[-1], x.shape[-1]), x.shape)
 
 
-def peer_all_reduce_add_norm(partial: jax.Array, residual: jax.Array, scale: float, weight: jax.Array, *,
+def fits_rows(x: jax.Array | SplitSum, workspace: PeerWorkspace | None) -> bool:
+    """Whether :func:`peer_all_reduce_add_norm` takes partial sums ``x [..., H]`` (or ``SplitSum`` parts ``[S, M,
+    H]``, S a power of 2 up to :data:`MAX_PARTS`): :func:`fits`, ``H`` a power of 2 from 16 to :data:`ROW_WORDS`
+    (tiles of ``ROW_TILE`` or one tile), at most :data:`MAX_ROWS` rows (so at most ``MAX_PROGRAMS`` programs, as
+    :func:`peer_all_reduce`)."""
+    if not isinstance(x, SplitSum) and x.ndim == 0:
+        return False
+    x = _split(x)
+    width, splits = x.shape[-1], x.parts.shape[0]
+    return (fits(x.parts, workspace) and 16 <= width <= ROW_WORDS and width & (width - 1) == 0
+            and splits & (splits - 1) == 0 and splits <= MAX_PARTS and x.rows <= MAX_ROWS)
+
+
+def peer_all_reduce_add_norm(partial: jax.Array | SplitSum, residual: jax.Array, scale: float, weight: jax.Array, *,
                              eps: float, workspace: PeerWorkspace,
                              axis_name: Hashable) -> tuple[jax.Array, jax.Array]:
     """One kernel for ``h = residual + psum(partial).astype(dt) * scale`` and ``rms_norm(h, weight)``
     (``pallas_kernels.residual``'s reference ops, the sum through peer memory as :func:`peer_all_reduce`):
-    ``partial [..., H]`` fp32 (:func:`fits_rows`), ``residual [..., H]`` in dt, ``weight [H]`` →
-    ``(h, normed)`` in dt. A row is split over ``H / ROW_TILE`` programs, each reducing its tile as
-    :func:`peer_all_reduce` does (one program a row, or every program polling the whole row, was slower than
-    the all-reduce and XLA's add + norm apart, 2026-11-28), which trade their tiles' sums of squares on
+    ``partial [..., H]`` fp32 (:func:`fits_rows`), or a :class:`~pallas_kernels.matmul.SplitSum` of it whose
+    parts each program adds first (the split-K GEMM's own reduction, a kernel less); ``residual [..., H]`` in
+    dt, ``weight [H]`` → ``(h, normed)`` in dt. A row is split over ``H / ROW_TILE`` programs, each reducing its
+    tile as :func:`peer_all_reduce` does (one program a row, or every program polling the whole row, was slower
+    than the all-reduce and XLA's add + norm apart, 2026-11-28), which trade their tiles' sums of squares on
     the GPU. Call inside ``shard_map``."""
     from jax.experimental.pallas import triton as plt
 
     if not fits_rows(partial, workspace):
+        parts = partial.parts if isinstance(partial, SplitSum) else partial
         raise ValueError(f"peer_all_reduce_add_norm takes fp32 rows of a power-of-2 width up to {ROW_WORDS}, at "
-                         f"most {MAX_ROWS} of them; got {partial.dtype} {partial.shape}")
-    width = partial.shape[-1]
-    rows = partial.size // width
+                         f"most {MAX_ROWS} of them, in at most {MAX_PARTS} parts; got {parts.dtype} {parts.shape}")
+    partial = _split(partial)
+    width, rows, splits = partial.shape[-1], partial.rows, partial.parts.shape[0]
     tile = min(ROW_TILE, width)
     table = workspace.table()
     block = pl.BlockSpec((None, tile), lambda i, j: (i, j))
     h, normed = pl.pallas_call(
         functools.partial(_add_norm_kernel, size=workspace.size, width=width, scale=scale, eps=eps),
         grid=(rows, width // tile),
-        in_specs=[pl.BlockSpec(table.shape, lambda i, j: (0, 0)), pl.BlockSpec((1,), lambda i, j: (0,)), block, block,
+        in_specs=[pl.BlockSpec(table.shape, lambda i, j: (0, 0)), pl.BlockSpec((1,), lambda i, j: (0,)),
+                  pl.BlockSpec((splits, None, tile), lambda i, j: (0, i, j)), block,
                   pl.BlockSpec((tile,), lambda i, j: (j,))],
         out_specs=[block, block],
         out_shape=[jax.ShapeDtypeStruct((rows, width), residual.dtype)] * 2,
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         name="peer_all_reduce_add_norm",
-    )(jnp.asarray(table), lax.axis_index(axis_name).astype(jnp.int32).reshape(1), partial.reshape(rows, width),
+    )(jnp.asarray(table), lax.axis_index(axis_name).astype(jnp.int32).reshape(1), partial.parts,
       residual.reshape(rows, width), weight)
     return h.reshape(residual.shape), normed.reshape(residual.shape)

@@ -24,8 +24,10 @@ prefill 1.62× → 1.73× the one-GPU speed in one call, 2× H200, 2026-11-29; B
 roundings (at 2 devices ``round(round(a) + round(b))`` where fp32 gives ``round(a + b)``; with more, NCCL's ring
 also rounds each partial sum on its way); fp32 models are unchanged.
 
-Shapes: ``partial [..., H]`` (fp32 when it is a partial sum over devices, else the residual's dtype),
-``residual [..., H]`` (the activation dtype), ``weight [H]``; results in the residual's dtype.
+Shapes: ``partial [..., H]`` (fp32 when it is a partial sum over devices, else the residual's dtype), or a
+row-parallel linear's :class:`~pallas_kernels.matmul.SplitSum` of it (its K-split parts, unreduced: the fused
+kernel adds them as it reads them; every other path adds them first); ``residual [..., H]`` (the activation
+dtype), ``weight [H]``; results in the residual's dtype.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.collectives import all_reduce
+from pallas_kernels.matmul import SplitSum, summed
 from pallas_kernels.peer_all_reduce import MAX_ELEMENTS, PeerWorkspace, fits_rows, peer_all_reduce_add_norm
 
 # Rows up to which residual_add_norm takes the fused kernel. Measured end to end on 2x H200 (MiniCPM4-8B shape,
@@ -61,13 +64,14 @@ def _add(total: jax.Array, residual: jax.Array, scale: float) -> jax.Array:
     return residual + total.astype(residual.dtype) * jnp.asarray(scale, residual.dtype)
 
 
-def residual_add_reference(partial: jax.Array, residual: jax.Array, scale: float, *,
+def residual_add_reference(partial: jax.Array | SplitSum, residual: jax.Array, scale: float, *,
                            axis_name: Hashable | None = None, peers: PeerWorkspace | None = None) -> jax.Array:
-    """``residual + sum(partial) * scale``: ``partial`` summed over the devices of mesh axis ``axis_name``
-    (None: it is the whole output already; ``lax.psum`` of the message, in fp32 up to :data:`WIDE_MESSAGE`
-    elements, else in the residual's dtype), rounded to the residual's dtype, then scaled and added. ``peers``
-    (the axis' peer-memory workspace) does not change the result: the reference ignores it."""
+    """``residual + sum(partial) * scale``: ``partial`` (its parts added, if split) summed over the devices of
+    mesh axis ``axis_name`` (None: it is the whole output already; ``lax.psum`` of the message, in fp32 up to
+    :data:`WIDE_MESSAGE` elements, else in the residual's dtype), rounded to the residual's dtype, then scaled
+    and added. ``peers`` (the axis' peer-memory workspace) does not change the result: the reference ignores it."""
     del peers
+    partial = summed(partial)
     return _add(partial if axis_name is None else lax.psum(_message(partial, residual), axis_name), residual, scale)
 
 
@@ -77,7 +81,7 @@ def _message(partial: jax.Array, residual: jax.Array) -> jax.Array:
     return partial.astype(residual.dtype) if partial.size > WIDE_MESSAGE else partial
 
 
-def residual_add_norm_reference(partial: jax.Array, residual: jax.Array, scale: float, weight: jax.Array, *,
+def residual_add_norm_reference(partial: jax.Array | SplitSum, residual: jax.Array, scale: float, weight: jax.Array, *,
                                 eps: float, axis_name: Hashable | None = None,
                                 peers: PeerWorkspace | None = None) -> tuple[jax.Array, jax.Array]:
     """:func:`residual_add_reference`, and the RMSNorm (``weight``, ``eps``) of its result: ``(residual',
@@ -95,21 +99,25 @@ def _reduce(partial: jax.Array, residual: jax.Array, axis_name: Hashable | None,
     return all_reduce(_message(partial, residual), axis_name=axis_name, peers=peers)
 
 
-def residual_add(partial: jax.Array, residual: jax.Array, scale: float, *, axis_name: Hashable | None = None,
-                 peers: PeerWorkspace | None = None) -> jax.Array:
+def residual_add(partial: jax.Array | SplitSum, residual: jax.Array, scale: float, *,
+                 axis_name: Hashable | None = None, peers: PeerWorkspace | None = None) -> jax.Array:
     """:func:`residual_add_reference`, reduced through the peer-memory kernel when ``peers`` is given and the
     message fits it (:func:`~pallas_kernels.collectives.all_reduce`: up to 256K elements), else through ``lax.psum``."""
-    return _add(_reduce(partial, residual, axis_name, peers), residual, scale)
+    return _add(_reduce(summed(partial), residual, axis_name, peers), residual, scale)
 
 
-def residual_add_norm(partial: jax.Array, residual: jax.Array, scale: float, weight: jax.Array, *, eps: float,
-                      axis_name: Hashable | None = None,
+def residual_add_norm(partial: jax.Array | SplitSum, residual: jax.Array, scale: float, weight: jax.Array, *,
+                      eps: float, axis_name: Hashable | None = None,
                       peers: PeerWorkspace | None = None) -> tuple[jax.Array, jax.Array]:
     """:func:`residual_add_norm_reference`: one kernel for the reduction, the add and the norm
-    (:func:`~pallas_kernels.peer_all_reduce.peer_all_reduce_add_norm`) when ``peers`` is given, the rows fit
+    (:func:`~pallas_kernels.peer_all_reduce.peer_all_reduce_add_norm`, which also adds a ``SplitSum``'s parts if
+    there are at most ``MAX_PARTS``) when ``peers`` is given, the rows fit
     (:func:`~pallas_kernels.peer_all_reduce.fits_rows`) and there are at most :data:`FUSED_ROWS`, else
     :func:`residual_add`'s reduction, then XLA's add and norm."""
-    if axis_name is not None and fits_rows(partial, peers) and partial.size // partial.shape[-1] <= FUSED_ROWS:
+    if isinstance(partial, SplitSum) and not fits_rows(partial, peers):
+        partial = partial.total()  # more parts than the kernel adds: XLA's reduction first
+    rows = partial.rows if isinstance(partial, SplitSum) else partial.size // partial.shape[-1]
+    if axis_name is not None and fits_rows(partial, peers) and rows <= FUSED_ROWS:
         return peer_all_reduce_add_norm(partial, residual, scale, weight, eps=eps, workspace=peers,
                                         axis_name=axis_name)
     h = residual_add(partial, residual, scale, axis_name=axis_name, peers=peers)

@@ -27,17 +27,18 @@ from pallas_kernels.infllm.stage1 import compressed_scores_tiled, score_tile_row
 from pallas_kernels.infllm.stage2 import block_sparse_attention, local_window_attention
 from pallas_kernels.infllm.tree_merge import tree_merge_attention as tree_merge_kernel
 from pallas_kernels.infllm.tree_merge import tree_merge_attention_reference, tree_merge_supported
-from pallas_kernels.int4_matmul import int4_matmul
+from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_parts
 from pallas_kernels.launch import is_power_of_2
-from pallas_kernels.matmul import matmul
-# No collective kernel yet: the reference (XLA's all-reduce, then the add and the norm XLA fuses).
+from pallas_kernels.matmul import matmul, matmul_parts
+# Through the peer-memory kernels when the mesh axis has a workspace, else XLA's all-reduce.
 from pallas_kernels.residual import residual_add, residual_add_norm
 from pallas_kernels.rope_write import paged_rope_write, rope_write
 from pallas_kernels.tree_attention import paged_tree_attention, tree_attention
 
 __all__ = ["all_reduce", "attention", "block_sparse_attention", "cache_write", "compress_windows", "gather_last",
-           "int4_matmul",
-           "matmul", "paged_attention", "paged_block_sparse_attention", "paged_cache_write", "paged_compress_windows",
+           "int4_matmul", "int4_matmul_parts",
+           "matmul", "matmul_parts", "paged_attention", "paged_block_sparse_attention", "paged_cache_write",
+           "paged_compress_windows",
            "paged_rope_write", "paged_select_blocks", "paged_sparse_attention", "paged_tree_attention", "residual_add",
            "residual_add_norm", "rope_write", "select_blocks", "sparse_attention", "tree_attention",
            "tree_merge_attention"]

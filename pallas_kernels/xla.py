@@ -27,7 +27,9 @@ from pallas_kernels.infllm.stage1 import compressed_scores_reference
 from pallas_kernels.infllm.stage2 import block_sparse_attention_reference as block_sparse_attention
 from pallas_kernels.infllm.tree_merge import tree_merge_attention_reference as tree_merge_attention
 from pallas_kernels.int4_matmul import int4_matmul_reference as int4_matmul
+from pallas_kernels.int4_matmul import int4_matmul_parts_reference as int4_matmul_parts
 from pallas_kernels.matmul import matmul
+from pallas_kernels.matmul import matmul_parts_reference as matmul_parts
 from pallas_kernels.paged import paged_attention_reference as paged_attention
 from pallas_kernels.paged import paged_tree_attention_reference as paged_tree_attention
 from pallas_kernels.residual import residual_add_norm_reference as residual_add_norm
@@ -38,8 +40,9 @@ from pallas_kernels.topk import top_k
 from pallas_kernels.tree_attention import tree_attention_reference as tree_attention
 
 __all__ = ["all_reduce", "attention", "block_sparse_attention", "cache_write", "compress_windows", "gather_last",
-           "int4_matmul",
-           "matmul", "paged_attention", "paged_block_sparse_attention", "paged_cache_write", "paged_compress_windows",
+           "int4_matmul", "int4_matmul_parts",
+           "matmul", "matmul_parts", "paged_attention", "paged_block_sparse_attention", "paged_cache_write",
+           "paged_compress_windows",
            "paged_rope_write", "paged_select_blocks", "paged_sparse_attention", "paged_tree_attention", "residual_add",
            "residual_add_norm", "rope_write", "select_blocks", "sparse_attention", "tree_attention",
            "tree_merge_attention"]

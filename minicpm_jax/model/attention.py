@@ -100,7 +100,7 @@ class Attention(nnx.Module):
         mode: str = "dense", tree: TreeInputs | None = None, tables: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """x ``[B, T, hidden]``, positions ``int32[B, T]``, valid ``bool[B, T]``; returns (``[B, T, hidden]``: the output, or
-        this shard's fp32 partial sum of it when split; cache).
+        this shard's fp32 partial sum of it when split, a ``SplitSum``; cache).
 
         mode (static): ``dense``; ``sparse`` (InfLLM-v2 for every row); ``mixed`` (both, each row taking
         sparse iff ``kv_lengths >= dense_len``). With sparse settings the compressed caches are extended

@@ -17,6 +17,7 @@ from flax import nnx
 from minicpm_jax.model.parallel import EMBED, GATE_UP, MLP as MLP_AXIS, SHARDED, VOCAB, TensorParallel
 from minicpm_jax.quant import QuantSpec, scale_dtype
 from pallas_kernels import backend
+from pallas_kernels.matmul import SplitSum, summed
 from pallas_kernels.residual import rms_norm
 
 Axes = tuple  # logical axis names of a parameter (``minicpm_jax.model.parallel``), None = replicated
@@ -42,8 +43,8 @@ class Linear(nnx.Module):
 
     impl: the kernel backend whose ``matmul`` runs it (a GEMM in every backend; see
     ``pallas_kernels.matmul``); axes: the kernel's logical axes; tp: the model's :class:`TensorParallel`
-    (None: not split). A row-parallel linear's :meth:`partial` is this shard's fp32 partial product;
-    calling it all-reduces that.
+    (None: not split). A row-parallel linear's :meth:`partial` is this shard's fp32 partial product (as the
+    backend's ``matmul_parts``: K-split parts the all-reduce kernel adds); calling it all-reduces that.
     """
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs | None, dtype=jnp.float32,
@@ -56,18 +57,21 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         return _reduced(self, self.partial(x), x.dtype)
 
-    def partial(self, x: jax.Array) -> jax.Array:
-        """This shard's share of ``x @ kernel``: fp32 partial products when row-parallel (their sum over
-        the devices is the output), else the output itself in x.dtype."""
-        matmul = backend.get(self.impl).matmul
+    def partial(self, x: jax.Array) -> jax.Array | SplitSum:
+        """This shard's share of ``x @ kernel``: when row-parallel, its fp32 partial products as a
+        :class:`~pallas_kernels.matmul.SplitSum` (their sum over the devices is the output), else the output
+        itself in x.dtype."""
+        ops = backend.get(self.impl)
         if not self.reduce:
-            return matmul(x, self.kernel[...].astype(x.dtype))
-        return matmul(x, self.kernel[...].astype(x.dtype), preferred_element_type=jnp.float32)
+            return ops.matmul(x, self.kernel[...].astype(x.dtype))
+        return ops.matmul_parts(x, self.kernel[...].astype(x.dtype))
 
 
-def _reduced(linear, y: jax.Array, dtype) -> jax.Array:
+def _reduced(linear, y: jax.Array | SplitSum, dtype) -> jax.Array:
     """A linear's :meth:`~Linear.partial` result summed over the devices (row-parallel), in ``dtype``."""
-    return linear.tp.all_reduce(y).astype(dtype) if linear.reduce else y
+    if not linear.reduce:
+        return y
+    return linear.tp.all_reduce(summed(y)).astype(dtype)
 
 
 class Int4Linear(nnx.Module):
@@ -106,8 +110,9 @@ class Int4Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         return _reduced(self, self.partial(x), x.dtype)
 
-    def partial(self, x: jax.Array) -> jax.Array:
-        """As :meth:`Linear.partial`: fp32 partial products when row-parallel, else the output."""
+    def partial(self, x: jax.Array) -> jax.Array | SplitSum:
+        """As :meth:`Linear.partial`: fp32 partial products when row-parallel (the kernel's K-split parts,
+        ``int4_matmul_parts``), else the output."""
         zeros = self.zeros[...] if hasattr(self, "zeros") else None
         perm = self.perm[...] if hasattr(self, "perm") else None
         group_size = min(self.group_size, x.shape[-1])  # per-channel scales over a shard's rows
@@ -116,8 +121,8 @@ class Int4Linear(nnx.Module):
                                                       group_size=group_size)
         if perm is not None:  # this shard's rows (in stored order) read input channels perm[rows]
             x = jnp.take(self.tp.all_gather(x, -1), perm, axis=-1)
-        return backend.get(self.impl).int4_matmul(x, self.qweight[...], self.scales[...], zeros, None,
-                                                  group_size=group_size, out_dtype=jnp.float32)
+        return backend.get(self.impl).int4_matmul_parts(x, self.qweight[...], self.scales[...], zeros, None,
+                                                        group_size=group_size)
 
 
 def make_linear(in_features: int, out_features: int, quant: QuantSpec | None, *, impl: str,

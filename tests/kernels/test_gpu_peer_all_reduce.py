@@ -2,7 +2,8 @@
 bit for bit ``lax.psum``'s result for 2 ranks (rank-ordered sums equal to a 1e-6 relative tolerance for
 more), over repeated calls of changing sizes (the counters and the two slots of the protocol), a partial
 last tile, and a device-side loop (XLA's while command buffer); the fused all-reduce + add + norm kernel
-wherever its rows fit (the backend picks it for one row only), else the pallas backend's residual add + norm
+wherever its rows fit (the backend picks it for one row only), with its partial sums whole or as K-split parts,
+else the pallas backend's residual add + norm
 through the plain kernel, over calls of changing rows and widths interleaved (each kernel's counters and
 slots), against the reference ops; the collective ops of ``pallas_kernels.collectives`` against XLA's."""
 
@@ -17,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from minicpm_jax.model.parallel import AXIS, make_mesh, use_peer_all_reduce
 from pallas_kernels import backend
+from pallas_kernels.matmul import SplitSum
 from pallas_kernels.peer_all_reduce import (MAX_ELEMENTS, MAX_ROWS, ROW_WORDS, fits_rows, peer_all_reduce,
                                             peer_all_reduce_add_norm)
 
@@ -104,8 +106,11 @@ SHAPES = [(1, 4096), (16, 4096), (3, 1024), (1, 4096), (MAX_ROWS, ROW_WORDS), (1
           (MAX_ROWS + 1, 4096), (2, 4096)] * 2
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
-def test_residual_add_norm_through_peers_equals_the_reference(dtype):
+@pytest.mark.parametrize("dtype,splits", [(jnp.bfloat16, 0), (jnp.float32, 0), (jnp.bfloat16, 4)],
+                         ids=["bf16", "fp32", "bf16-split"])
+def test_residual_add_norm_through_peers_equals_the_reference(dtype, splits):
+    """``splits``: the partial sums as a row-parallel linear's K-split parts (``SplitSum [S, rows + 1, H]``, a
+    padding row as ``matmul_parts`` leaves for one row), which the fused kernel adds as it reads them."""
     n = len(jax.devices())
     mesh = make_mesh(n)
     workspace = use_peer_all_reduce(mesh)
@@ -115,6 +120,8 @@ def test_residual_add_norm_through_peers_equals_the_reference(dtype):
     def run(ns, peers, parts, residual, weight):
         def f(p, r):
             p, r = p[0], r[0]
+            if splits:
+                p = SplitSum(p, r.shape)
             if peers is not None and fits_rows(p, peers):  # the fused kernel at every row count it takes
                 h, normed = peer_all_reduce_add_norm(p, r, 0.25, weight, eps=1e-6, workspace=peers, axis_name=AXIS)
             else:
@@ -123,8 +130,9 @@ def test_residual_add_norm_through_peers_equals_the_reference(dtype):
         return np.asarray(jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS),
                                                 check_vma=False))(parts, residual).astype(jnp.float32))
 
-    for rows, width in SHAPES:
-        parts = jnp.asarray(rng.standard_normal((n, rows, width), np.float32))
+    for rows, width in SHAPES[:10] if splits else SHAPES:
+        shape = (n, splits, rows + 1, width) if splits else (n, rows, width)
+        parts = jnp.asarray(rng.standard_normal(shape, np.float32))
         # The residual stream is replicated: every rank holds the same
         residual = jnp.asarray(np.broadcast_to(rng.standard_normal((rows, width), np.float32) * 4, (n, rows, width)),
                                dtype)

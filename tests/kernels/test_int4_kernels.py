@@ -62,6 +62,11 @@ def test_int4_matmul_matches_numpy(k, n, gs, sym, act_order, m, splits, config):
     y = kern.int4_matmul(jnp.asarray(x), **arrays, group_size=gs, config=config, splits=splits)
     assert y.dtype == jnp.float32 and y.shape == (m, n)
     assert_close(y, want, 1e-5)
+    if splits:  # a row-parallel linear's product: the kernel's K-split parts left unreduced
+        parts = kern.int4_matmul_parts(jnp.asarray(x), **arrays, group_size=gs, config=config, splits=splits)
+        assert parts.parts.shape[0] == splits and parts.shape == (m, n)
+        assert_close(parts.total(), want, 1e-5)
+        assert kern.int4_matmul_parts_reference(jnp.asarray(x), **arrays, group_size=gs).parts.shape == (1, m, n)
 
     # dequantize: rows in stored (group-sorted) order, columns natural
     stored = int4.sort_by_group(w)[0]

@@ -1,4 +1,5 @@
-"""``pallas_kernels.matmul``: the dense linear that stays a matrix product on GPUs at batch 1."""
+"""``pallas_kernels.matmul``: the dense linear that stays a matrix product on GPUs at batch 1, and the
+row-parallel product left as K-split parts (``matmul_parts``) against the one-part reference and NumPy."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +7,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import matmul as matmul_mod
-from pallas_kernels.matmul import STRENGTH_REDUCED_BELOW, keeps_one_row, matmul
+from pallas_kernels.matmul import (STRENGTH_REDUCED_BELOW, SplitSum, default_splits, keeps_one_row, matmul,
+                                   matmul_parts, matmul_parts_reference)
 
 
 @pytest.fixture
@@ -42,3 +44,43 @@ def test_the_limit_is_xlas(on_gpu):
 
 def test_cpu_runs_the_plain_dot():
     assert not keeps_one_row(1, 64, 48)  # no GPU here
+
+
+@pytest.mark.parametrize("splits", [2, 8])
+def test_split_parts_add_up_to_the_product(splits):
+    """A row's product as ``splits`` parts ``[S, 2, N]`` (a batched GEMM of two rows: no strength reduction)
+    whose sum, padding row dropped, is the one-part reference's and NumPy's product."""
+    rng = np.random.default_rng(splits)
+    x = rng.standard_normal((1, 1, 64)).astype(np.float32)
+    w = rng.standard_normal((64, 48)).astype(np.float32)
+    got = matmul_parts(jnp.asarray(x), jnp.asarray(w), splits=splits)
+    assert isinstance(got, SplitSum) and got.parts.shape == (splits, 2, 48) and got.shape == (1, 1, 48)
+    blocks = x.reshape(splits, 64 // splits) @ w.reshape(splits, 64 // splits, 48)  # [S, S, 48]: the diagonal
+    np.testing.assert_allclose(np.asarray(got.parts[:, 0]), blocks[np.arange(splits), np.arange(splits)], rtol=1e-5,
+                               atol=1e-5)
+    want = matmul_parts_reference(jnp.asarray(x), jnp.asarray(w))
+    assert want.parts.shape == (1, 1, 48)
+    np.testing.assert_allclose(np.asarray(got.total()), np.asarray(want.total()), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got.total()), x @ w, rtol=1e-5, atol=1e-5)
+    text = jax.jit(lambda a, b: matmul_parts(a, b, splits=splits).parts).lower(jnp.asarray(x), jnp.asarray(w)).as_text()
+    assert f"tensor<{splits}x2x{64 // splits}xf32>" in text
+    xb = rng.standard_normal((3, 64)).astype(np.float32)  # rows need no padding row
+    several = matmul_parts(jnp.asarray(xb), jnp.asarray(w), splits=splits)
+    assert several.parts.shape == (splits, 3, 48)
+    np.testing.assert_allclose(np.asarray(several.total()), xb @ w, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="equal blocks"):
+        matmul_parts(jnp.asarray(x), jnp.asarray(w), splits=3)
+
+
+def test_default_splits_follow_xlas_choice_for_one_row(on_gpu):
+    """One row: K in blocks of >= 512 rows, up to 8 of them, as XLA's autotuner split MiniCPM4-8B's linears at
+    tensor parallelism 2; several rows, or a K without such blocks: one part (the plain GEMM)."""
+    assert default_splits(1, 2048) == 4  # o_proj at TP 2
+    assert default_splits(1, 4096) == 8 and default_splits(1, 8192) == 8  # down_proj at TP 2
+    assert default_splits(1, 1000) == 1 and default_splits(2, 8192) == 1 and default_splits(16, 4096) == 1
+    assert default_splits(1, 3 * 512) == 2  # blocks of 768 (4 would leave 384)
+
+
+def test_cpu_takes_one_part():
+    assert default_splits(1, 8192) == 1
+    assert matmul_parts(jnp.ones((1, 64)), jnp.ones((64, 8))).parts.shape == (1, 1, 8)

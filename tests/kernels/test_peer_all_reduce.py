@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.parallel import AXIS, make_mesh, peer_workspace, use_peer_all_reduce
 from pallas_kernels import backend
+from pallas_kernels.matmul import SplitSum
 from pallas_kernels.peer_all_reduce import (MAX_ELEMENTS, MAX_ROWS, ROW_TILE, TILE, PeerWorkspace,
                                             peer_all_reduce, peer_all_reduce_add_norm)
 from pallas_kernels.residual import FUSED_ROWS
@@ -90,6 +91,25 @@ def test_pallas_residual_ops_choose_the_kernel_only_when_it_applies():
     assert layer(ws, 1, width=96) == ["peer_all_reduce 1x1"] * 2  # not a power-of-2 row
     assert layer(None, 4) == []  # no workspace: lax.psum
     assert layer(ws, MAX_ELEMENTS // 256 + 1) == []  # a prefill-sized message: lax.psum
+
+
+def test_split_parts_reach_the_fused_kernel_unreduced():
+    """A row-parallel linear's K-split parts (``SplitSum [S, 2, H]`` for one row) go to the fused kernel as they
+    are — one launch, no reduction of XLA's before it; rows the fused kernel does not take are added first."""
+    ws = PeerWorkspace(WORKSPACE.addresses[:2])
+    w = jnp.ones((4096,), jnp.float32)
+
+    def layer(rows):
+        def f(a):
+            x, h = PALLAS.residual_add_norm(SplitSum(a[0], (rows, 4096)), jnp.zeros((rows, 4096)), 0.5, w, eps=1e-6,
+                                            axis_name=AXIS, peers=ws)
+            return h[None]
+        parts = jnp.zeros((2, 8, max(rows, 2), 4096), jnp.float32)
+        text = jax.jit(_split(f, 2)).trace(parts).lower(lowering_platforms=("cuda",)).as_text()
+        return _triton_calls(_split(f, 2), parts), "stablehlo.reduce" in text
+
+    assert layer(1) == ([f"peer_all_reduce_add_norm 1x{4096 // ROW_TILE}"], False)
+    assert layer(3) == ([f"peer_all_reduce {3 * 4096 // TILE}x1"], True)
 
 
 def test_pallas_collective_ops_choose_the_kernel_only_when_it_applies():

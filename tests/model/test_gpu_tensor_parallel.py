@@ -83,6 +83,28 @@ def test_split_over_gpus_equals_one_gpu(mode, dtype, peer):
     assert got_tokens == want_tokens
 
 
+@pytest.mark.parametrize("mode,dtype", [("dense", jnp.bfloat16), ("int4", jnp.float32)],
+                         ids=["dense-bf16", "int4-fp32"])
+def test_one_row_decode_with_split_parts_equals_one_gpu(mode, dtype, monkeypatch):
+    """Batch 1 through the peer kernels: the row-parallel linears' K-split parts (``matmul_parts``, forced here
+    into blocks of 32 rows of this small model's K; the int4 kernel's own) added by the fused all-reduce."""
+    from pallas_kernels import matmul as matmul_mod
+
+    monkeypatch.setattr(matmul_mod, "SPLIT_ROWS", 32)
+    one = _model(mode, dtype)
+
+    def run(model):
+        engine = Engine(model, batch_size=1, chunk_length=32, decode_block=4)
+        logits = np.asarray(engine.prefill(PROMPTS[:1]), np.float32)
+        engine.reset()
+        return logits, engine.generate(PROMPTS[:1], max_new_tokens=24)[0][0].token_ids
+
+    want_logits, want_tokens = run(one)
+    got_logits, got_tokens = run(_split(one, peer=True))
+    assert helpers.rel_err(got_logits, want_logits) < (1e-5 if dtype == jnp.float32 else 1e-2)
+    assert got_tokens == want_tokens
+
+
 def test_a_wide_prefill_chunk_reduced_in_bf16_keeps_one_gpus_tokens():
     """A bf16 prefill chunk whose messages exceed ``WIDE_MESSAGE`` elements is all-reduced in bf16 (NCCL,
     ``pallas_kernels.residual``): the split model's logits stay within bf16 rounding of one GPU's and its

@@ -35,6 +35,7 @@ from minicpm_jax.model.layers import Int4Linear
 from minicpm_jax.model.loading import convert_model, load_model, save_native, shard_model, weight_bytes
 from minicpm_jax.model.parallel import QKV, GATE_UP, VOCAB, TensorParallel, from_layout, make_mesh, to_layout
 from minicpm_jax.quant import QuantSpec
+from pallas_kernels import matmul as matmul_mod
 from pallas_kernels.peer_all_reduce import PeerWorkspace
 from tests.helpers import SMALL, random_hf_weights, tiny_minicpm_config, write_checkpoint
 
@@ -218,8 +219,11 @@ def test_split_model_serves_one_slot_alone_and_logprobs(ckpt):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
-def test_split_model_runs_its_kernels_per_shard(ckpt):
-    """The Pallas kernels (interpret mode here) inside the SPMD program, InfLLM-v2's included."""
+def test_split_model_runs_its_kernels_per_shard(ckpt, monkeypatch):
+    """The Pallas kernels (interpret mode here) inside the SPMD program, InfLLM-v2's included, and the
+    row-parallel linears' products as K-split parts (``matmul_parts``; a GPU's choice for one row, forced here
+    at every row count)."""
+    monkeypatch.setattr(matmul_mod, "default_splits", lambda rows, k: 2)
     one = load_model(ckpt, dtype=jnp.float32, max_length=MAX_LEN, attention_impl="pallas", sparse=SMALL)
     split = shard_model(one, make_mesh(4))
     prompts = [PROMPTS[0], PROMPTS[2]]
