@@ -115,7 +115,7 @@ def residual_add_norm(partial: jax.Array | SplitSum, residual: jax.Array, scale:
     (:func:`~pallas_kernels.peer_all_reduce.fits_rows`) and there are at most :data:`FUSED_ROWS`, else
     :func:`residual_add`'s reduction, then XLA's add and norm."""
     if isinstance(partial, SplitSum) and not fits_rows(partial, peers):
-        partial = partial.total()  # more parts than the kernel adds: XLA's reduction first
+        partial = partial.total()  # parts the kernel does not take (too many, no workspace): XLA adds them
     rows = partial.rows if isinstance(partial, SplitSum) else partial.size // partial.shape[-1]
     if axis_name is not None and fits_rows(partial, peers) and rows <= FUSED_ROWS:
         return peer_all_reduce_add_norm(partial, residual, scale, weight, eps=eps, workspace=peers,
