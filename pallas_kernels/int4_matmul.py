@@ -534,8 +534,8 @@ def int4_matmul(
 
 def int4_matmul_parts_reference(x, qweight, scales, zeros=None, perm=None, *, group_size: int) -> SplitSum:
     """:func:`int4_matmul_reference` in fp32 as one part: ``SplitSum([1, rows, N])``."""
-    y = int4_matmul_reference(x, qweight, scales, zeros, perm, group_size=group_size, out_dtype=jnp.float32)
-    return SplitSum(y.reshape(1, -1, y.shape[-1]), y.shape)
+    return SplitSum.whole(int4_matmul_reference(x, qweight, scales, zeros, perm, group_size=group_size,
+                                                out_dtype=jnp.float32))
 
 
 def int4_matmul_parts(x, qweight, scales, zeros=None, perm=None, *, group_size: int,
@@ -552,9 +552,8 @@ def int4_matmul_parts(x, qweight, scales, zeros=None, perm=None, *, group_size: 
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     if m > MAX_KERNEL_ROWS and config is None:
-        y = int4_matmul_prefill(x, qweight, scales, zeros, perm, group_size=group_size, out_dtype=jnp.float32,
-                                interpret=interpret)
-        return SplitSum(y.reshape(1, m, n), (*lead, n))
+        return SplitSum.whole(int4_matmul_prefill(x, qweight, scales, zeros, perm, group_size=group_size,
+                                                  out_dtype=jnp.float32, interpret=interpret))
     kernel = kernel or default_kernel(m, group_size)
     if kernel not in KERNELS:
         raise ValueError(f"unknown int4 kernel {kernel!r}; expected one of {KERNELS}")

@@ -53,6 +53,16 @@ class SplitSum:
         summed = self.parts[0] if self.parts.shape[0] == 1 else jnp.sum(self.parts, axis=0)
         return summed[: self.rows].reshape(self.shape)
 
+    @classmethod
+    def whole(cls, y: jax.Array) -> SplitSum:
+        """A product ``y [..., N]`` as one part ``[1, rows, N]`` (a free reshape)."""
+        return cls(y.reshape(1, y.size // y.shape[-1], y.shape[-1]), y.shape)
+
+
+def as_split(x: jax.Array | SplitSum) -> SplitSum:
+    """``x`` itself, or an array as one part (:meth:`SplitSum.whole`)."""
+    return x if isinstance(x, SplitSum) else SplitSum.whole(x)
+
 
 def summed(x: jax.Array | SplitSum) -> jax.Array:
     """A :class:`SplitSum`'s product (:meth:`SplitSum.total`), or ``x`` itself."""
@@ -76,10 +86,7 @@ def matmul(x: jax.Array, w: jax.Array, *, preferred_element_type=None) -> jax.Ar
 
 def matmul_parts_reference(x: jax.Array, w: jax.Array) -> SplitSum:
     """``x [..., K] @ w [K, N]`` in fp32 as one part: ``SplitSum([1, rows, N])``."""
-    n = w.shape[1]
-    shape = (*x.shape[:-1], n)
-    y = matmul(x, w, preferred_element_type=jnp.float32)
-    return SplitSum(y.reshape(1, math.prod(shape[:-1]), n), shape)
+    return SplitSum.whole(matmul(x, w, preferred_element_type=jnp.float32))
 
 
 def default_splits(rows: int, k: int) -> int:

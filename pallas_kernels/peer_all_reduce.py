@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.core import ShapedArray
 from jax.extend.core import Primitive
 
-from pallas_kernels.matmul import SplitSum
+from pallas_kernels.matmul import SplitSum, as_split
 
 # Elements per program (4 KB of LL words pushed to each peer). Half the 1,024 of the first version: a batch-16
 # TP 2 decode step (16 x 4,096 fp32 messages) ran 5.5% faster with twice the programs (2x H200, 2026-11-30,
@@ -65,8 +65,8 @@ _ROW_COUNTERS = MAX_PROGRAMS  # first word of the rows' counters (after the flat
 _ROW_PARTIALS = _ROW_COUNTERS + MAX_ROWS * MAX_TILES  # first word of the rows' programs' sums of squares
 _COUNTERS = _ROW_PARTIALS + MAX_ROWS * MAX_TILES  # counter-like words in all; the slots follow
 _WORD = 8  # bytes of one LL word: {fp32 bits, flag}
-# K-split parts (``SplitSum``) the fused kernel adds as it reads them; more are added by XLA first (each
-# program reads its tile of every part: 32 int4 down_proj parts would be 128 KB a program).
+# K-split parts (``SplitSum``) the fused kernel adds as it reads them; more (or a count not a power of 2) are added
+# by XLA first (each program reads its tile of every part: 32 int4 down_proj parts would be 128 KB a program).
 MAX_PARTS = 8
 
 
@@ -380,27 +380,17 @@ def peer_all_reduce(x: jax.Array, workspace: PeerWorkspace, axis_name: Hashable)
     return out[:n].reshape(x.shape)
 
 
-def fits(x: jax.Array, workspace: PeerWorkspace | None) -> bool:
-    """Whether :func:`peer_all_reduce` takes ``x`` (a workspace, fp32, at most :data:`MAX_ELEMENTS`)."""
-    return workspace is not None and x.dtype == jnp.float32 and x.size <= MAX_ELEMENTS
-
-
-def _split(x: jax.Array | SplitSum) -> SplitSum:
-    """``x [..., H]`` as one part, or ``x`` itself."""
-    return x if isinstance(x, SplitSum) else SplitSum(x.reshape(1, x.size // x.shape[-1], x.shape[-1]), x.shape)
-
-
 def fits_rows(x: jax.Array | SplitSum, workspace: PeerWorkspace | None) -> bool:
-    """Whether :func:`peer_all_reduce_add_norm` takes partial sums ``x [..., H]`` (or ``SplitSum`` parts ``[S, M,
-    H]``, S a power of 2 up to :data:`MAX_PARTS`): :func:`fits`, ``H`` a power of 2 from 16 to :data:`ROW_WORDS`
-    (tiles of ``ROW_TILE`` or one tile), at most :data:`MAX_ROWS` rows (so at most ``MAX_PROGRAMS`` programs, as
+    """Whether :func:`peer_all_reduce_add_norm` takes partial sums ``x [..., H]`` (or a ``SplitSum`` of them):
+    a workspace, fp32, ``H`` a power of 2 from 16 to :data:`ROW_WORDS` (tiles of ``ROW_TILE`` or one tile), at
+    most :data:`MAX_ROWS` rows (so at most ``MAX_PROGRAMS`` programs and ``MAX_ELEMENTS`` elements, as
     :func:`peer_all_reduce`)."""
     if not isinstance(x, SplitSum) and x.ndim == 0:
         return False
-    x = _split(x)
-    width, splits = x.shape[-1], x.parts.shape[0]
-    return (fits(x.parts, workspace) and 16 <= width <= ROW_WORDS and width & (width - 1) == 0
-            and splits & (splits - 1) == 0 and splits <= MAX_PARTS and x.rows <= MAX_ROWS)
+    x = as_split(x)
+    width = x.shape[-1]
+    return (workspace is not None and x.parts.dtype == jnp.float32 and 16 <= width <= ROW_WORDS
+            and width & (width - 1) == 0 and x.rows <= MAX_ROWS)
 
 
 def peer_all_reduce_add_norm(partial: jax.Array | SplitSum, residual: jax.Array, scale: float, weight: jax.Array, *,
@@ -409,7 +399,8 @@ def peer_all_reduce_add_norm(partial: jax.Array | SplitSum, residual: jax.Array,
     """One kernel for ``h = residual + psum(partial).astype(dt) * scale`` and ``rms_norm(h, weight)``
     (``pallas_kernels.residual``'s reference ops, the sum through peer memory as :func:`peer_all_reduce`):
     ``partial [..., H]`` fp32 (:func:`fits_rows`), or a :class:`~pallas_kernels.matmul.SplitSum` of it whose
-    parts each program adds first (the split-K GEMM's own reduction, a kernel less); ``residual [..., H]`` in
+    parts each program adds first (the split-K GEMM's own reduction, a kernel less; beyond :data:`MAX_PARTS`
+    parts, or not a power of 2, XLA adds them before the kernel); ``residual [..., H]`` in
     dt, ``weight [H]`` → ``(h, normed)`` in dt. A row is split over ``H / ROW_TILE`` programs, each reducing its
     tile as :func:`peer_all_reduce` does (one program a row, or every program polling the whole row, was slower
     than the all-reduce and XLA's add + norm apart, 2026-11-28), which trade their tiles' sums of squares on
@@ -419,9 +410,12 @@ def peer_all_reduce_add_norm(partial: jax.Array | SplitSum, residual: jax.Array,
     if not fits_rows(partial, workspace):
         parts = partial.parts if isinstance(partial, SplitSum) else partial
         raise ValueError(f"peer_all_reduce_add_norm takes fp32 rows of a power-of-2 width up to {ROW_WORDS}, at "
-                         f"most {MAX_ROWS} of them, in at most {MAX_PARTS} parts; got {parts.dtype} {parts.shape}")
-    partial = _split(partial)
-    width, rows, splits = partial.shape[-1], partial.rows, partial.parts.shape[0]
+                         f"most {MAX_ROWS} of them; got {parts.dtype} {parts.shape}")
+    partial = as_split(partial)
+    splits = partial.parts.shape[0]
+    if splits > MAX_PARTS or splits & (splits - 1):
+        partial, splits = SplitSum.whole(partial.total()), 1
+    width, rows = partial.shape[-1], partial.rows
     tile = min(ROW_TILE, width)
     table = workspace.table()
     block = pl.BlockSpec((None, tile), lambda i, j: (i, j))

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.collectives import all_reduce
-from pallas_kernels.matmul import SplitSum, summed
+from pallas_kernels.matmul import SplitSum, as_split, summed
 from pallas_kernels.peer_all_reduce import MAX_ELEMENTS, PeerWorkspace, fits_rows, peer_all_reduce_add_norm
 
 # Rows up to which residual_add_norm takes the fused kernel. Measured end to end on 2x H200 (MiniCPM4-8B shape,
@@ -110,14 +110,11 @@ def residual_add_norm(partial: jax.Array | SplitSum, residual: jax.Array, scale:
                       eps: float, axis_name: Hashable | None = None,
                       peers: PeerWorkspace | None = None) -> tuple[jax.Array, jax.Array]:
     """:func:`residual_add_norm_reference`: one kernel for the reduction, the add and the norm
-    (:func:`~pallas_kernels.peer_all_reduce.peer_all_reduce_add_norm`, which also adds a ``SplitSum``'s parts if
-    there are at most ``MAX_PARTS``) when ``peers`` is given, the rows fit
+    (:func:`~pallas_kernels.peer_all_reduce.peer_all_reduce_add_norm`, which also adds a ``SplitSum``'s parts)
+    when ``peers`` is given, the rows fit
     (:func:`~pallas_kernels.peer_all_reduce.fits_rows`) and there are at most :data:`FUSED_ROWS`, else
     :func:`residual_add`'s reduction, then XLA's add and norm."""
-    if isinstance(partial, SplitSum) and not fits_rows(partial, peers):
-        partial = partial.total()  # parts the kernel does not take (too many, no workspace): XLA adds them
-    rows = partial.rows if isinstance(partial, SplitSum) else partial.size // partial.shape[-1]
-    if axis_name is not None and fits_rows(partial, peers) and rows <= FUSED_ROWS:
+    if axis_name is not None and fits_rows(partial, peers) and as_split(partial).rows <= FUSED_ROWS:
         return peer_all_reduce_add_norm(partial, residual, scale, weight, eps=eps, workspace=peers,
                                         axis_name=axis_name)
     h = residual_add(partial, residual, scale, axis_name=axis_name, peers=peers)

@@ -18,7 +18,7 @@ from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.parallel import AXIS, make_mesh, peer_workspace, use_peer_all_reduce
 from pallas_kernels import backend
 from pallas_kernels.matmul import SplitSum
-from pallas_kernels.peer_all_reduce import (MAX_ELEMENTS, MAX_ROWS, ROW_TILE, TILE, PeerWorkspace,
+from pallas_kernels.peer_all_reduce import (MAX_ELEMENTS, MAX_PARTS, MAX_ROWS, ROW_TILE, TILE, PeerWorkspace,
                                             peer_all_reduce, peer_all_reduce_add_norm)
 from pallas_kernels.residual import FUSED_ROWS
 
@@ -99,16 +99,19 @@ def test_split_parts_reach_the_fused_kernel_unreduced():
     ws = PeerWorkspace(WORKSPACE.addresses[:2])
     w = jnp.ones((4096,), jnp.float32)
 
-    def layer(rows):
+    def layer(rows, splits=8):
         def f(a):
             x, h = PALLAS.residual_add_norm(SplitSum(a[0], (rows, 4096)), jnp.zeros((rows, 4096)), 0.5, w, eps=1e-6,
                                             axis_name=AXIS, peers=ws)
             return h[None]
-        parts = jnp.zeros((2, 8, max(rows, 2), 4096), jnp.float32)
+        parts = jnp.zeros((2, splits, max(rows, 2), 4096), jnp.float32)
         text = jax.jit(_split(f, 2)).trace(parts).lower(lowering_platforms=("cuda",)).as_text()
         return _triton_calls(_split(f, 2), parts), "stablehlo.reduce" in text
 
     assert layer(1) == ([f"peer_all_reduce_add_norm 1x{4096 // ROW_TILE}"], False)
+    # more than MAX_PARTS parts (int4 down_proj's 32), or a count not a power of 2: XLA adds them, then the kernel
+    assert layer(1, splits=4 * MAX_PARTS) == ([f"peer_all_reduce_add_norm 1x{4096 // ROW_TILE}"], True)
+    assert layer(1, splits=3) == ([f"peer_all_reduce_add_norm 1x{4096 // ROW_TILE}"], True)
     assert layer(3) == ([f"peer_all_reduce {3 * 4096 // TILE}x1"], True)
 
 
