@@ -4,7 +4,9 @@ length, random weights of the shape (target) and a random one-layer draft of the
 * plain — ``Engine`` decode, ms/token (the baseline every ratio uses; bf16 unless only int4 is asked).
 * verify — one target forward over an N-node tree (tree-attention kernel, logits of every node) against
   one plain decode forward (1 token), both timed as chained calls inside one jit that write their K/V in
-  place into a carried cache, as the engine does.
+  place into a carried cache, as the engine does: the plain engine's cache after its generate, so a sparse
+  verify selects blocks from the prompt's real keys. Then each loop once more under ``jax.profiler`` (compiled
+  without CUDA graphs): the forwards' kernels by name (GPU only).
 * oracle — the speculative engine (``Engine`` with ``EagleSteps``) whose acceptance rule is
   :func:`oracle_accept` (``--spec_oracle_accept K``): every round accepts the draft's best chain to depth
   K-1 (so exactly K tokens a round, the work of a real round with that accept length); ms/token and the
@@ -35,7 +37,8 @@ from flax import nnx
 from jax import lax
 
 from benchmarks.memory import program_memory
-from benchmarks.timing import NO_GRAPHS, carried_loop_time, hlo_op_paths, recompiled, scoped_seconds, traced
+from benchmarks.timing import (NO_GRAPHS, carried_loop_kernels, carried_loop_time, hlo_op_paths, recompiled,
+                               scoped_seconds, traced)
 from minicpm_jax.config import DraftSpec, ModelConfig
 from minicpm_jax.engine.engine import Engine
 from minicpm_jax.engine.speculative.engine import EagleSteps
@@ -170,15 +173,14 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
         print(f"  spec {quant}: largest engine program {peak / 2**30:.2f} GiB = "
               f"{peak / row['weights_and_cache_bytes']:.2f}x weights + cache "
               f"({row['weights_and_cache_bytes'] / 2**30:.2f} GiB)", file=sys.stderr)
-        del engine  # its cache: the rows below carry one of their own
-
         # Verify forward vs plain decode forward, each as the engine runs it: the new tokens' K/V written
         # in place into a carried cache, whose lengths go back after each call so every call repeats the
-        # same work (stale K/V: cost only).
+        # same work. The cache is the plain engine's after its last generate: the prompt's keys and compressed
+        # keys, so a sparse verify's nodes select what they would in the engine (a cache of zeros past a short
+        # prefill made every score tie and every node select the same blocks).
+        cache = dataclasses.replace(engine.cache, lengths=jnp.asarray([context], jnp.int32))
+        del engine
         gd, state = nnx.split(model)
-        cache = model.new_cache(1)
-        _, _, cache = model(jnp.asarray([prompt[:1024]]), cache)
-        cache = dataclasses.replace(cache, lengths=jnp.asarray([context], jnp.int32))
         carry = (cache, jnp.zeros((), jnp.float32))
 
         def forward(state, tokens, depth, mask, carry):
@@ -194,20 +196,23 @@ def bench_speculative(config: ModelConfig, context: int, tree_sizes: list[int], 
         one, carry = carried_loop_time(forward, (state, jnp.zeros((1, 1), jnp.int32), None, None), carry, iters=20,
                                        repeats=loop_repeats)
         row["decode_forward_ms"] = [1e3 * t for t in one]
+        row["decode_forward_kernels_us"], carry = carried_loop_kernels(
+            forward, (state, jnp.zeros((1, 1), jnp.int32), None, None), carry, iters=20)
 
         def time_verify(n, carry):
             depth, mask = _random_tree(n, 10)
             args = (state, jnp.zeros((1, n), jnp.int32), jnp.asarray(depth[None]), jnp.asarray(mask[None]))
             t, carry = carried_loop_time(forward, args, carry, iters=20, repeats=loop_repeats)
-            return [1e3 * x for x in t], carry
+            kernels, carry = carried_loop_kernels(forward, args, carry, iters=20)
+            return [1e3 * x for x in t], kernels, carry
 
         row["verify"] = []
         for n in tree_sizes:
-            ms_n, carry = time_verify(n, carry)
+            ms_n, kernels, carry = time_verify(n, carry)
             # Against the forward alone, and against the engine's whole decode step (ms/token of plain decode:
-            # forward, sampling, stop checks), issue 42's "a decode step".
+            # forward, sampling, stop checks), issue 42's "a decode step"; and where the forward's kernels go.
             row["verify"].append({"tree_size": n, "ms": ms_n, "vs_decode": statistics.median(ms_n) / _ms(one),
-                                  "vs_decode_step": statistics.median(ms_n) / _ms(plain)})
+                                  "vs_decode_step": statistics.median(ms_n) / _ms(plain), "kernels_us": kernels})
             log(f"spec {quant}: verify {n} nodes {row['verify'][-1]}")
 
         # Oracle rounds through the speculative engine, and the split of one round.
@@ -289,6 +294,15 @@ def spec_markdown(r: dict) -> str:
                          f"{o['speedup_vs_plain']:.2f}x | {o['speedup_vs_plain_bf16']:.2f}x | {o['round_ms']:.2f} | "
                          f"{o['traced_round_ms']:.2f}: {s['draft']:.2f} / {s['verify']:.2f} / {s['accept']:.3f} / "
                          f"{s['compact']:.3f} / {s['other']:.3f} / {s['idle']:.2f} | {ratio} |")
+    for row in r["rows"]:  # the forwards' kernels by name (a GPU trace; absent on the CPU)
+        for v in row["verify"]:
+            dec, ver = row.get("decode_forward_kernels_us") or {}, v.get("kernels_us") or {}
+            if not ver:
+                continue
+            names = sorted(set(dec) | set(ver), key=lambda n: (n == "rest", -ver.get(n, 0.0)))
+            lines += ["", f"| {row['quant']} kernel | decode fwd µs | verify {v['tree_size']} µs |", "|---|---|---|"]
+            lines += [f"| {n} | {dec.get(n, 0.0):.1f} | {ver.get(n, 0.0):.1f} |" for n in names]
+            lines.append(f"| all | {sum(dec.values()):.1f} | {sum(ver.values()):.1f} |")
     lines += ["", "| weights | engine | largest program GiB (which) | weights + caches GiB | ratio |", "|---|---|---|---|---|"]
     for row in r["rows"]:
         runs = [("plain", row.get("program_bytes"), row.get("weights_and_cache_bytes"))]

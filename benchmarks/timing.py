@@ -55,6 +55,24 @@ def carried_loop_time(fn, args: tuple, carry, *, iters: int, repeats: int = 2):
     return times, carry
 
 
+def carried_loop_kernels(fn, args: tuple, carry, *, iters: int, top: int = 12):
+    """Where ``carry = fn(*args, carry)`` spends its GPU time, kernel by kernel: the loop of
+    :func:`carried_loop_time` compiled without CUDA graphs (whose kernels a trace misses, :func:`recompiled`),
+    warmed, then traced once. Returns (µs per call of the ``top`` kernel names by time, the others summed as
+    ``rest``; a name is followed by the tail of its op path, e.g. ``loop_add_fusion_3 (layers/attention/add)``;
+    empty without a GPU trace, the carry)."""
+    run = carried_loop(fn, iters=iters).lower(args, carry).compile(NO_GRAPHS)
+    carry = jax.block_until_ready(run(args, carry))
+    carry, planes = traced(lambda: jax.block_until_ready(run(args, carry)))
+    planes = planes or []
+    paths = kernel_op_paths(planes)
+    per = sorted(kernel_seconds(planes).items(), key=lambda kv: -kv[1])
+    out = {_labelled(name, paths.get(name)): 1e6 * sec / iters for name, sec in per[:top]}
+    if per[top:]:
+        out["rest"] = 1e6 * sum(sec for _, sec in per[top:]) / iters
+    return out, carry
+
+
 def carried_loop(fn, *, iters: int):
     """The jitted loop :func:`carried_loop_time` runs: ``run(args, carry)`` applies ``carry = fn(*args,
     carry)`` ``iters`` times, the carry donated."""
@@ -135,21 +153,43 @@ def recompiled(steps, names: set[str], options: dict):
         steps.compiled = graphs
 
 
+def _kernel_events(planes, device: int | None = None):
+    """``(kernel name, event)`` of every event on the GPU planes' stream lines of a profile (``device``: only
+    that GPU's plane), the ``__N`` suffix XLA gives each launch site of one kernel dropped from the name."""
+    for plane in planes:
+        if not plane.name.startswith("/device:GPU" if device is None else f"/device:GPU:{device}"):
+            continue
+        for line in plane.lines:
+            if "Stream" in line.name:
+                for event in line.events:
+                    yield re.sub(r"__\d+$", "", event.name), event
+
+
 def kernel_seconds(planes, device: int | None = None) -> dict[str, float]:
     """Seconds by kernel name of the events on the GPU planes' stream lines of a profile (``ProfileData
     .planes``; ``device``: only that GPU's plane); the ``__N`` suffix XLA gives each launch site of one
     kernel is dropped."""
     out: dict[str, float] = {}
-    for plane in planes:
-        if not plane.name.startswith("/device:GPU" if device is None else f"/device:GPU:{device}"):
-            continue
-        for line in plane.lines:
-            if "Stream" not in line.name:
-                continue
-            for event in line.events:
-                name = re.sub(r"__\d+$", "", event.name)
-                out[name] = out.get(name, 0.0) + event.duration_ns * 1e-9
+    for name, event in _kernel_events(planes, device):
+        out[name] = out.get(name, 0.0) + event.duration_ns * 1e-9
     return out
+
+
+def kernel_op_paths(planes) -> dict[str, str]:
+    """Each GPU kernel name of a profile (as :func:`kernel_seconds` names them) → the op path its events
+    carry (the ``name`` stat, e.g. ``jit(f)/while/body/attention/dot_general``; the first one seen), for kernels
+    launched outside CUDA graphs."""
+    out: dict[str, str] = {}
+    for name, event in _kernel_events(planes):
+        path = out.get(name) or dict(event.stats).get("name")
+        if path:
+            out[name] = str(path)
+    return out
+
+
+def _labelled(name: str, path: str | None) -> str:
+    """A kernel's name with the last three parts of its op path (the scopes and the op), where known."""
+    return f"{name} ({'/'.join(path.split('/')[-3:])})" if path else name
 
 
 def gpu_timeline(planes, device: int = 0, gap_ns: int = 3000) -> dict[str, float]:

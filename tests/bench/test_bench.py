@@ -21,7 +21,7 @@ from benchmarks.int4 import add_peer, int4_markdown
 from benchmarks.spec import oracle_accept
 from benchmarks.timing import (
     NO_LOOP_GRAPHS, carried_loop, carried_loop_time, device_loop, device_loop_time, gpu_timeline, hlo_op_paths,
-    kernel_seconds, loop_kernel_time, recompiled, scoped_seconds,
+    kernel_op_paths, kernel_seconds, loop_kernel_time, recompiled, scoped_seconds,
 )
 from minicpm_jax.config import DraftSpec, ModelConfig
 from minicpm_jax.engine.engine import Engine
@@ -81,7 +81,7 @@ def test_carried_loop_writes_its_cache_in_place():
 def test_kernel_seconds_sums_gpu_stream_events_by_kernel():
     """Only events on a GPU plane's stream lines count; per-launch-site copies (``__N``) share a name;
     the CPU's trace has none, so the kernel clock reports None there."""
-    ev = lambda name, ns: SimpleNamespace(name=name, duration_ns=ns)  # noqa: E731
+    ev = lambda name, ns: SimpleNamespace(name=name, duration_ns=ns, stats=[])  # noqa: E731
     line = lambda name, *events: SimpleNamespace(name=name, events=list(events))  # noqa: E731
     planes = [
         SimpleNamespace(name="/device:GPU:0", lines=[
@@ -92,6 +92,10 @@ def test_kernel_seconds_sums_gpu_stream_events_by_kernel():
         SimpleNamespace(name="/host:CPU", lines=[line("Stream #1", ev("decode_attention", 99999))]),
     ]
     assert kernel_seconds(planes) == pytest.approx({"decode_attention": 12e-6, "input_reduce_fusion_2": 1e-6})
+    # A kernel's op path: the first of its stream events that carries one (the name stat); the op view ignored.
+    planes[0].lines[0].events[1].stats = [("name", "jit(f)/while/body/layers/attention/pallas_call")]
+    planes[0].lines[1].events[0].stats = [("name", "jit(f)/op_view")]
+    assert kernel_op_paths(planes) == {"decode_attention": "jit(f)/while/body/layers/attention/pallas_call"}
     args = (jnp.linspace(0, 1, 64), jnp.zeros((), jnp.int32))
     assert loop_kernel_time(device_loop(lambda x, n: jnp.sin(x + n), args, iters=2), args, iters=2) is None
 
@@ -300,6 +304,8 @@ def test_bench_spec_smoke_on_cpu(tmp_path):
     assert spec["draft_quants"] == ["int4"] and row["oracle"][0]["draft_quant"] == "int4"
     assert row["verify"][0]["tree_size"] == 8 and row["verify"][0]["ms"][0] > 0 and len(row["verify"][0]["ms"]) == 3
     assert row["verify"][0]["vs_decode_step"] > 0
+    # The forwards' kernels by name come from a GPU trace: none on the CPU (the loops still ran and carried).
+    assert row["verify"][0]["kernels_us"] == {} and row["decode_forward_kernels_us"] == {}
     oracle = row["oracle"][0]
     assert oracle["mean_accept_length"] == 3.0 and oracle["frspec_vocab"] == 512
     # The traced round: every part of it found by its scope (how parts and idle make up the span:
