@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.flash import LOG2E, MASKED, MIN_ROWS, merge_attention
 from pallas_kernels.launch import KernelConfig, is_power_of_2, launch_options, next_power_of_2
@@ -39,19 +40,24 @@ def tree_merge_attention_reference(q: jax.Array, tree_k: jax.Array, tree_v: jax.
     return out.astype(q.dtype)
 
 
-def _tree_merge_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, lse_ref, out_ref, *, qk_scale):
-    """One (row, node, KV group): the group's heads ``[G, D]`` against the tree's keys ``[Tp, D]`` (the node's
-    mask row ``[Tp]``), then merged with the other attention's ``[G, D]`` and log-sum-exp ``[G]``."""
+def _tree_merge_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, lse_ref, out_ref, *, qk_scale, t_pad):
+    """One (row, node, KV group): the group's heads ``[G, D]`` against the tree's ``T`` keys, read as ``[Tp,
+    D]`` (``t_pad`` rows, those past T zero and masked off; the node's mask row ``[Tp]``), then merged with the
+    other attention's ``[G, D]`` and log-sum-exp ``[G]``."""
     q = q_ref[...]
     sees = mask_ref[...] != 0
+    tokens = k_ref.shape[0]
+    node = lax.broadcasted_iota(jnp.int32, (t_pad,), 0)
+    at = (jnp.minimum(node, tokens - 1)[:, None], lax.broadcasted_iota(jnp.int32, (1, k_ref.shape[1]), 1))
+    k = plt.load(k_ref.at[at], mask=(node < tokens)[:, None], other=0.0)
+    v = plt.load(v_ref.at[at], mask=(node < tokens)[:, None], other=0.0)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    s = lax.dot_general(q, k_ref[...], (((1,), (1,)), ((), ())), precision=precision,
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32) * qk_scale  # log2 units
     s = jnp.where(sees[None, :], s, MASKED)
     top = jnp.max(s, axis=1)
     p = jnp.where(sees[None, :], jnp.exp2(s - top[:, None]), 0.0)
     total = jnp.sum(p, axis=1)
-    v = v_ref[...]
     out_t = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32) / total[:, None]
     lse_t = top + jnp.log2(total)
     lse_o = lse_ref[...] * LOG2E  # -inf: the other attention saw no key
@@ -72,7 +78,7 @@ def tree_merge_attention(q: jax.Array, tree_k: jax.Array, tree_v: jax.Array, tre
                          out_p: jax.Array, lse_p: jax.Array, *, scale: float,
                          interpret: bool | None = None) -> jax.Array:
     """Pallas version of :func:`tree_merge_attention_reference` (same signature), one program per (row, node,
-    KV group); the tree's keys are padded to ``max(16, next power of 2)`` nodes (masked off). Needs
+    KV group); the tree's keys are read as ``max(16, next power of 2)`` nodes (those past T masked off). Needs
     :func:`tree_merge_supported` heads."""
     b, t, h, d = q.shape
     kvh = tree_k.shape[2]
@@ -81,13 +87,13 @@ def tree_merge_attention(q: jax.Array, tree_k: jax.Array, tree_v: jax.Array, tre
                          f"and a power-of-2 head_dim >= 16; got {h} heads, {kvh} KV heads, head_dim {d}")
     group = h // kvh
     t_pad = max(MIN_ROWS, next_power_of_2(t))
-    pad = ((0, 0), (0, t_pad - t), (0, 0), (0, 0))
-    tree_k, tree_v = jnp.pad(tree_k, pad), jnp.pad(tree_v, pad)
+    # The mask is the same for every layer (XLA computes it once); the keys and values are read as they are
+    # (their padding was two launches a layer).
     mask = jnp.pad(tree_mask, ((0, 0), (0, 0), (0, t_pad - t))).astype(jnp.int32)  # padded nodes: unseen
     heads = pl.BlockSpec((None, None, group, d), lambda i, n, j: (i, n, j, 0))
-    tree = pl.BlockSpec((None, t_pad, None, d), lambda i, n, j: (i, 0, j, 0))
+    tree = pl.BlockSpec((None, t, None, d), lambda i, n, j: (i, 0, j, 0))
     return pl.pallas_call(
-        functools.partial(_tree_merge_kernel, qk_scale=scale * LOG2E),
+        functools.partial(_tree_merge_kernel, qk_scale=scale * LOG2E, t_pad=t_pad),
         grid=(b, t, kvh),
         in_specs=[heads, tree, tree, pl.BlockSpec((None, None, t_pad), lambda i, n, j: (i, n, 0)), heads,
                   pl.BlockSpec((None, None, group), lambda i, n, j: (i, n, j))],

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from minicpm_jax.config import SparseConfig
-from minicpm_jax.infllm.attention import sparse_attention
+from minicpm_jax.infllm.attention import sparse_attention, tree_sparse_attention
 from minicpm_jax.infllm.compressed import extend_compressed
 from minicpm_jax.infllm.policy import geometry
 from minicpm_jax.model.cache import KVCache, compressed_sizes
@@ -561,7 +561,8 @@ def test_fused_decode_attention_equals_the_general_path(use_nope):
 
 def test_fused_decode_path_lowers_for_cuda_without_a_gpu(monkeypatch):
     """Triton lowering of the decode path's four kernels (MiniCPM4-8B dims, a 128K cache) under an abstract
-    H100: power-of-2 loads and supported primitives."""
+    H100: power-of-2 loads and supported primitives; and of a 12-node tree verify's (stage 1, the selection,
+    stage 2, the tree merge reading the 12 unpadded tree keys as 16 rows)."""
     monkeypatch.setattr("pallas_kernels.launch.default_interpret", lambda: False)  # Triton, not interpret
     mesh = abstract_gpu_mesh()
     sp = SparseConfig()
@@ -581,6 +582,19 @@ def test_fused_decode_path_lowers_for_cuda_without_a_gpu(monkeypatch):
             lowering_platforms=("cuda",)).as_text()
     for name in ("minicpm_infllm_lse", "minicpm_infllm_scores", "minicpm_infllm_pool_select_attention",
                  "minicpm_merge_splits"):
+        assert name in text, name
+
+    def tree(q, tree_kv, mask, cache, prefix, depths):  # a 12-node verify's sparse attention
+        with jax.sharding.use_abstract_mesh(mesh):
+            return tree_sparse_attention(q, q, tree_kv, tree_kv, mask, cache, 1, prefix, depths, sp,
+                                         scale=128**-0.5, kernels=PALLAS)
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(tree).trace(spec((1, 12, 32, 128), jnp.bfloat16), spec((1, 12, 2, 128), jnp.bfloat16),
+                                   spec((1, 12, 12), bool), cache, spec((1,), jnp.int32),
+                                   spec((1, 12), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    for name in ("minicpm_infllm_scores", "minicpm_pool_select_blocks", "minicpm_infllm_sparse_attention",
+                 "minicpm_tree_merge_attention"):
         assert name in text, name
 
 
