@@ -559,7 +559,7 @@ def test_fused_decode_attention_equals_the_general_path(use_nope):
     assert float(jnp.max(jnp.abs(got[:2] - dense[:2]))) > 1e-2
 
 
-def test_fused_decode_path_lowers_for_cuda_without_a_gpu(monkeypatch):
+def test_decode_and_tree_paths_lower_for_cuda_without_a_gpu(monkeypatch):
     """Triton lowering of the decode path's four kernels (MiniCPM4-8B dims, a 128K cache) under an abstract
     H100: power-of-2 loads and supported primitives; and of a 12-node tree verify's (stage 1, the selection,
     stage 2, the tree merge reading the 12 unpadded tree keys as 16 rows)."""
