@@ -300,7 +300,9 @@ def spec_markdown(r: dict) -> str:
             if not ver:
                 continue
             names = sorted(set(dec) | set(ver), key=lambda n: (n == "rest", -ver.get(n, 0.0)))
-            lines += ["", f"| {row['quant']} kernel | decode fwd µs | verify {v['tree_size']} µs |", "|---|---|---|"]
+            lines += ["", "Kernels by name (XLA numbers its fusions per program: one fusion may carry a "
+                      "different name in each column).", "",
+                      f"| {row['quant']} kernel | decode fwd µs | verify {v['tree_size']} µs |", "|---|---|---|"]
             lines += [f"| {n} | {dec.get(n, 0.0):.1f} | {ver.get(n, 0.0):.1f} |" for n in names]
             lines.append(f"| all | {sum(dec.values()):.1f} | {sum(ver.values()):.1f} |")
     lines += ["", "| weights | engine | largest program GiB (which) | weights + caches GiB | ratio |", "|---|---|---|---|---|"]
