@@ -54,7 +54,7 @@ PAGED_SPARSE = SparseConfig(kernel_size=8, kernel_stride=4, init_blocks=1, block
 def test_stored_layout_is_each_shards_heads_and_channels():
     tp = TensorParallel.of(CONFIG, 4)  # 2 KV heads on 4 devices: each KV head on 2
     h, kvh, d, i = CONFIG.num_heads, CONFIG.num_kv_heads, CONFIG.head_dim, CONFIG.intermediate_size
-    assert (tp.q_heads, tp.kv_heads, tp.kv_copies, tp.stored_kv_heads, tp.vocab_padded) == (2, 1, 2, 4, 100)
+    assert (tp.q_heads, tp.kv_heads, tp.kv_copies, tp.stored_kv_heads, tp.vocab_padded) == (2, 1, 2, 4, 512)
     qkv = np.arange(3 * (h + 2 * kvh) * d, dtype=np.float32).reshape(3, -1)  # [in, q | k | v]
     q, k, v = np.split(qkv, [h * d, (h + kvh) * d], axis=1)
     stored = np.asarray(to_layout(tp, (None, QKV), jnp.asarray(qkv)))
@@ -75,8 +75,10 @@ def test_stored_layout_is_each_shards_heads_and_channels():
 
     table = np.ones((CONFIG.vocab_size, 3), np.float32)
     stored = np.asarray(to_layout(tp, (VOCAB, None), jnp.asarray(table)))
-    assert stored.shape == (100, 3) and not stored[97:].any()
+    assert stored.shape == (512, 3) and not stored[97:].any()  # each shard 128 rows (VOCAB_ALIGN)
     np.testing.assert_array_equal(from_layout(tp, (VOCAB, None), stored), table)
+    # MiniCPM4's 73,448: 36,736 rows a shard at 2 (36,724 would leave lm_head's rows misaligned), itself at 1.
+    assert [dataclasses.replace(tp, size=n, vocab_size=73448).vocab_padded for n in (1, 2, 4)] == [73448, 73472, 73728]
 
 
 def test_sizes_that_do_not_split_the_model_are_refused():
@@ -303,7 +305,8 @@ def test_memory_plan_counts_each_devices_share(ckpt):
     one = weight_bytes(ckpt, dtype=jnp.float32)
     two = weight_bytes(ckpt, dtype=jnp.float32, tensor_parallel=2)
     norms = 4 * CONFIG.hidden_size * (2 * CONFIG.num_layers + 1)  # replicated
-    assert two == (one - norms) // 2 + norms + 4 * CONFIG.hidden_size  # the vocabulary padded to 98 rows: + half a row pair
+    pad = TensorParallel.of(CONFIG, 2).vocab_padded - CONFIG.vocab_size  # 97 rows padded to 256 (128 a device)
+    assert two == (one - norms) // 2 + norms + pad * 4 * CONFIG.hidden_size  # embedding's + lm_head's pad rows, halved
 
 
 def test_engine_refuses_a_model_split_over_another_mesh(ckpt):
