@@ -69,7 +69,8 @@ def decode_hlo(engine: Engine, mode: str = "dense") -> str:
     """Optimized HLO of the engine's decode block (its own program, compiled again here, for performance work)."""
     steps = engine.steps
     fn = steps.compiled.jitted["decode"]
-    return fn.lower(steps.state, engine.cache, engine.decode_state([], [], []), mode=mode, sampling="auto").compile().as_text()
+    return fn.lower(steps.state, engine.cache, engine.decode_state([], [], []), mode=mode,
+                    sampling="auto").compile(steps.compiled.options("decode")).as_text()
 
 
 # NCCL's kernels, and XLA's own all-reduce kernels (fused psums, "__triton_collective" fusions).

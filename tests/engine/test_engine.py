@@ -450,3 +450,20 @@ def test_compiled_with_options_recompiles_only_the_named_programs():
     np.testing.assert_array_equal(other("f", None, x), x + 1)
     assert other.executables[("f", None, ())] is not base.executables[("f", None, ())] and len(base.executables) == 2
 
+
+def test_few_row_programs_compile_with_the_exhaustive_gemm_search_on_gpus_only(engine):
+    """A few-row program takes FEW_ROW_OPTIONS on a GPU, under any options a trace adds; prefill and the CPU keep
+    the given options; an XLA that knows the option compiles with it (this CPU's, asked as a GPU). The plain
+    engine's few-row programs are its two decode programs."""
+    from minicpm_jax.engine.steps import FEW_ROW_OPTIONS
+
+    base = Compiled({"decode": jax.jit(lambda x: x + 1), "prefill": jax.jit(lambda x: x * 2)},
+                    few_rows=frozenset({"decode"}))
+    assert FEW_ROW_OPTIONS == {"xla_gpu_exhaustive_tiling_search": True}
+    assert base.options("decode", "gpu") == FEW_ROW_OPTIONS and base.options("decode", "cpu") is None
+    assert base.options("prefill", "gpu") is None
+    traced = base.with_options({"xla_gpu_enable_command_buffer": ""}, {"decode"})
+    assert traced.options("decode", "gpu") == {**FEW_ROW_OPTIONS, "xla_gpu_enable_command_buffer": ""}
+    x = jnp.arange(4.0)
+    np.testing.assert_array_equal(jax.jit(lambda x: x + 1).lower(x).compile(base.options("decode", "gpu"))(x), x + 1)
+    assert engine.steps.compiled.few_rows == {"decode", "decode_rows"}

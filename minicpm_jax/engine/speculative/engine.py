@@ -124,7 +124,7 @@ class EagleSteps:
             "prefill_rows": jax.jit(rows, donate_argnums=(2, 3), static_argnames="mode"),
             "first": jax.jit(functools.partial(first_token, max_length=model.max_length), static_argnames="sampling"),
             "decode": jax.jit(decode, donate_argnums=(4, 6), static_argnames=("sampling", "mode")),
-        })
+        }, few_rows=frozenset({"decode"}))
 
     @property
     def compile_time(self) -> float:
