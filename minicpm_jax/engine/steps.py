@@ -57,7 +57,7 @@ class PrefillChunk:
 # bf16 split over 2 H200s, session 50: q/k/v's GEMM 8.74 → 8.14 µs, o's 8.30 → 7.53, decode 2.920 → 2.880 ms/token;
 # int4's GEMMs are Pallas kernels, unchanged). Prefill programs keep the default search: their GEMMs are
 # compute-bound, and the exhaustive one costs compile time. XLA keeps each fusion's tiling in the compilation cache
-# directory and reuses it whatever the options: a cache filled without this option keeps the default tilings.
+# directory: in session 50 a second process sharing the first's cache reused its tilings whatever its own options.
 FEW_ROW_OPTIONS = {"xla_gpu_exhaustive_tiling_search": True}
 
 
