@@ -9,8 +9,9 @@ Two kernels (``KERNELS``; :func:`default_kernel` picks one):
 
 * ``planes`` / ``planes_t`` (the default for 1..64 rows): a sub-block of ``8·r`` input rows
   (inside one scale group) is read as ``[r, block_n]`` words and handled as 8 nibble planes of
-  ``[r, block_n]`` codes, each multiplied by the matching plane of x (x is split into planes outside,
-  ``x[8r + p]`` in plane p; for the centred code pairs, x's rows of nibbles p and p + 4 interleaved). One
+  ``[r, block_n]`` codes, each multiplied by the matching plane of x (``x[8r + p]`` in plane p: for 2..64
+  rows x is split into planes outside, for the centred code pairs x's rows of nibbles p and p + 4 interleaved;
+  one row splits its planes out of x itself). One
   row (batch-1 decode): elementwise products accumulated in ``[r, block_n]``
   and reduced over rows once at the end — a GEMV with K split over many programs (split-K), partial sums
   reduced by XLA. 2..64 rows: tensor-core dots of x's planes and the codes' per sub-block (``planes``, the
@@ -57,7 +58,7 @@ from pallas_kernels.int4_codes import (PAIR_LOW_HALF, PLANE_BITS, SYM_ZERO, cent
                                        pairs_for, plane_pair, planes_x)
 from pallas_kernels.launch import (KernelConfig, interpreted, is_power_of_2, launch_options, next_power_of_2,
                                    num_cores)
-from pallas_kernels.matmul import SplitSum
+from pallas_kernels.matmul import MAX_SPLITS, SplitSum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,12 +369,26 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
     def x_plane(r0, p):
         return x_ref[p, :, pl.ds(r0, rows)] if mode == "dot" else x_ref[p, pl.ds(r0, rows), :]
 
-    def chunk_product(w, r0):
-        """``Σ_p`` plane products of one chunk: ``[BM, BN]`` (``[BN, BM]`` for dot_t, ``[rows, BN]`` gemv)."""
+    def gemv_x(r0) -> list[jax.Array]:
+        """One row: x's 8 planes of the chunk at word row r0, ``x[8(r0 + i) + p]`` for i < rows, as float32
+        (times ``2^-e_p`` for the float32 planes), split out of one contiguous load of the chunk of x itself.
+
+        Planes cut outside were a launch of their own wherever x's producer is not an XLA fusion (the fused
+        all-reduce at TP 2, the attention's output): 105 µs a TP 2 int4 step. In the kernel alone (H200, bf16,
+        MiniCPM4-8B's linears, 32 weights a case) the split beat the outside planes on every linear but TP 1's
+        q/k/v (6.26 against 5.83 µs; a layer 53.2 against 55.4 µs at TP 1, 31.9 against 35.2 at TP 2), and
+        stride-8 loads of each plane (55.3 and 32.8) (lab note of the fifty-first session)."""
+        xc = x_ref[pl.ds(8 * r0, 8 * rows)].astype(jnp.float32).reshape(rows, 8)
+        xs = [a.reshape(rows) for a in jnp.split(xc, 8, axis=1)]
+        return xs if pairs else [xp * float(2.0 ** -PLANE_BITS[p][1]) for p, xp in enumerate(xs)]
+
+    def chunk_product(w, r0, xg):
+        """``Σ_p`` plane products of one chunk: ``[BM, BN]`` (``[BN, BM]`` for dot_t, ``[rows, BN]`` gemv, whose
+        x planes are ``xg``)."""
         if not pairs:
-            t = plane_product(w, r0, 0)
+            t = plane_product(w, r0, 0, xg)
             for p in range(1, 8):
-                t = t + plane_product(w, r0, p)
+                t = t + plane_product(w, r0, p, xg)
             return t
         t = None
         if centred:
@@ -387,20 +402,22 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
                 t = d if t is None else t + d
             return t
         for p in range(4):
-            for plane_p, q in zip((p, p + 4), plane_pair(w, p, pairs[0], x_ref.dtype, asm=asm,
+            # the one-row mode multiplies in float32 (its x planes are float32, loaded from 16-bit x)
+            code_dtype = jnp.float32 if mode == "gemv" else x_ref.dtype
+            for plane_p, q in zip((p, p + 4), plane_pair(w, p, pairs[0], code_dtype, asm=asm,
                                                       raw_high=mode == "gemv")):
                 if mode == "gemv":
-                    xq = x_ref[plane_p, 0, pl.ds(r0, rows)][:, None]
+                    xq = xg[plane_p][:, None]
                     t = q * xq if t is None else fma(q, xq, t, asm=asm)
                     continue
                 d = dot(q.T, x_plane(r0, plane_p))  # dot_t (dot mode takes the centred pairs above)
                 t = d if t is None else t + d
         return t
 
-    def plane_product(w, r0, p):
+    def plane_product(w, r0, p, xg):
         q = float32_plane(w, p, zero)
         if mode == "gemv":
-            return q * x_ref[p, 0, pl.ds(r0, rows)][:, None]
+            return q * xg[p][:, None]
         xp = x_plane(r0, p)
         return dot(xp, q.astype(xp.dtype)) if mode == "dot" else dot(q.astype(xp.dtype).T, xp)
 
@@ -410,7 +427,8 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
         r0s = [pl.multiple_of((k0 + j * chunk) // 8, rows) for j in range(chunks)]
         words = [w_ref[pl.ds(r0, rows), :] for r0 in r0s]  # all loads of the step issued first
         for j, (r0, w) in enumerate(zip(r0s, words)):
-            t = chunk_product(w, r0)
+            xg = gemv_x(r0) if mode == "gemv" else None
+            t = chunk_product(w, r0, xg)
             g = (k0 + j * chunk) // group_size
             s = s_ref[pl.ds(g, 1), :].astype(jnp.float32)  # [1, BN]
             if mode == "dot_t":
@@ -425,9 +443,7 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
                 # One row: zo times x, subtracted row by row from the chunk's [rows, BN] products before the
                 # scale: x's rows are the planes' rows summed (unscaled), so no chunk sums are computed outside
                 # (an XLA reduction and launch per linear).
-                xs = [x_ref[p, 0, pl.ds(r0, rows)] for p in range(8)]
-                if not pairs:
-                    xs = [xp * float(2 ** PLANE_BITS[p][1]) for p, xp in enumerate(xs)]
+                xs = xg if pairs else [xp * float(2 ** PLANE_BITS[p][1]) for p, xp in enumerate(xg)]
                 x_high = xs[4] + xs[5] + xs[6] + xs[7]
                 xv = xs[0] + xs[1] + xs[2] + xs[3] + x_high  # [rows]
                 low = PAIR_LOW_HALF * x_high if pairs else 0.0  # the unmasked high halves' low bits
@@ -527,8 +543,8 @@ def int4_matmul(
     if math.prod(x.shape[:-1]) > MAX_KERNEL_ROWS and config is None:  # prefill chunks: dequantize, XLA's GEMM
         return int4_matmul_prefill(x, qweight, scales, zeros, perm, group_size=group_size, out_dtype=out_dtype,
                                    interpret=interpret)
-    y = int4_matmul_parts(x, qweight, scales, zeros, perm, group_size=group_size, config=config, splits=splits,
-                          kernel=kernel, interpret=interpret)
+    y = _parts(x, qweight, scales, zeros, perm, group_size=group_size, config=config, splits=splits, kernel=kernel,
+               interpret=interpret)
     return y.total().astype(out_dtype or x.dtype)
 
 
@@ -542,7 +558,19 @@ def int4_matmul_parts(x, qweight, scales, zeros=None, perm=None, *, group_size: 
                       config: Int4Config | None = None, splits: int | None = None, kernel: str | None = None,
                       interpret: bool | None = None) -> SplitSum:
     """:func:`int4_matmul` in fp32 with the kernels' K-split partial sums left unreduced (a row-parallel
-    linear's, which the all-reduce kernel adds: ``pallas_kernels.residual``); prefill chunks: one part."""
+    linear's, which the all-reduce kernel adds: ``pallas_kernels.residual``); prefill chunks: one part.
+    Without ``config`` / ``splits``, at most :data:`~pallas_kernels.matmul.MAX_SPLITS` parts, as
+    ``matmul_parts``: the fused all-reduce adds that many as it reads them, where more take an XLA sum first.
+    MiniCPM4-8B's down_proj at TP 2 (K = 8192) in 8 parts instead of 32 cost its kernel nothing (9.88 against
+    9.76 µs on an H200) and saves that sum (1.5 µs a layer; session 50)."""
+    return _parts(x, qweight, scales, zeros, perm, group_size=group_size, config=config, splits=splits, kernel=kernel,
+                  interpret=interpret, max_splits=MAX_SPLITS)
+
+
+def _parts(x, qweight, scales, zeros=None, perm=None, *, group_size: int, config: Int4Config | None,
+           splits: int | None, kernel: str | None, interpret: bool | None, max_splits: int | None = None) -> SplitSum:
+    """The kernels' parts of ``x @ dequant(W)`` (:func:`int4_matmul_parts`); ``max_splits`` caps the default
+    split count."""
     k, n = _shape_kn(qweight)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
@@ -558,6 +586,8 @@ def int4_matmul_parts(x, qweight, scales, zeros=None, perm=None, *, group_size: 
     if kernel not in KERNELS:
         raise ValueError(f"unknown int4 kernel {kernel!r}; expected one of {KERNELS}")
     cfg, num_splits = choose_config(m, k, n, group_size, config, kernel, splits)
+    if splits is None and config is None and max_splits is not None:
+        num_splits = _largest_divisor(num_splits, max_splits)  # still divides K's steps; the tiles are kept
     block_k = cfg.block_k
     chunk = _chunk(block_k, group_size)
     if block_k % chunk or k % (block_k * num_splits):
@@ -622,17 +652,19 @@ def _planes_matmul(x2, qweight, scales, zeros, perm, cfg: Int4Config, num_splits
     if mode != "gemv" and rows < 16:
         raise ValueError(f"the {kernel} kernel needs sub-blocks of >= 128 input rows (scale groups of >= 128 and "
                          f"block_k >= 128) for {m} rows; got {chunk} (group_size {group_size})")
-    dtype = jnp.float32 if mode == "gemv" else x2.dtype
+    dtype = x2.dtype
     pairs = pairs_for(x2.dtype, mode == "gemv")
     block_n, groups = cfg.block_n, k // group_size
-    if mode == "dot" and pairs:
+    if mode == "gemv":  # x as it is: the kernel splits its planes out of it (_plane_kernel's gemv_x)
+        x_spec, xp = pl.BlockSpec((k,), lambda i, j, s: (0,)), x2.reshape(k)
+    elif mode == "dot" and pairs:
         x_spec, xp = pl.BlockSpec((4, block_m, k // 4), lambda i, j, s: (0, i, 0)), joined_x(x2, dtype)
     elif mode == "dot_t":
         x_spec = pl.BlockSpec((8, k // 8, block_m), lambda i, j, s: (0, 0, i))
         xp = planes_x(x2, True, dtype, scaled=pairs is None)
     else:
         x_spec = pl.BlockSpec((8, block_m, k // 8), lambda i, j, s: (0, i, 0))
-        xp = planes_x(x2, False, dtype, scaled=pairs is None)
+        xp = planes_x(x2, False, dtype)
     in_specs = [x_spec, pl.BlockSpec((k // 8, block_n), lambda i, j, s: (0, j)),
                 pl.BlockSpec((groups, block_n), lambda i, j, s: (0, j))]
     args = [xp, qweight, scales]

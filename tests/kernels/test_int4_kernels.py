@@ -74,6 +74,22 @@ def test_int4_matmul_matches_numpy(k, n, gs, sym, act_order, m, splits, config):
     np.testing.assert_allclose(np.asarray(deq), stored.dequantize(), rtol=1e-6, atol=0)
 
 
+def test_a_one_row_products_parts_are_at_most_what_the_fused_all_reduce_adds():
+    """By default the one-row kernel splits a long K into more parts than the fused all-reduce adds (32 here, as
+    MiniCPM4-8B's down_proj at TP 2); the parts API leaves MAX_SPLITS of them, with the same product."""
+    from pallas_kernels.matmul import MAX_SPLITS
+
+    k, n, gs = 8192, 64, 128
+    rng = np.random.default_rng(5)
+    w = random_weight(rng, k, n, gs, sym=True, act_order=False)
+    arrays = {name: jnp.asarray(a) for name, a in int4.to_engine(w).items()}
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    assert kern.choose_config(1, k, n, gs, kernel=kern.default_kernel(1, gs))[1] == 4 * MAX_SPLITS
+    parts = kern.int4_matmul_parts(jnp.asarray(x), **arrays, group_size=gs)
+    assert parts.parts.shape == (MAX_SPLITS, 1, n)
+    assert_close(parts.total(), _oracle_y(x, w), 1e-5)
+
+
 @pytest.mark.parametrize("gs,sym,act_order,n", [(32, False, True, 128), (512, True, False, 128), (64, True, False, 128),
                                                 (48, False, False, 100)],
                          ids=["asym-g32-actorder", "sym-perchannel", "sym-g64", "g48-n100-no-pow2-tile"])
@@ -294,6 +310,28 @@ def test_plane_kernels_take_inline_ptx_only_when_compiled(monkeypatch, interpret
     assert seen == [asm, asm]
 
 
+def test_one_row_kernel_takes_x_as_it_is(monkeypatch):
+    """One row hands the kernel x itself (bf16, flat), so nothing launches before it to cut x into planes (the
+    kernel splits them out, and equals numpy in the tests above); more rows get x's pair planes."""
+    seen = []
+
+    def fake_pallas_call(body, *, out_shape, **_):
+        def call(*args):
+            seen.append(args[0])
+            return jnp.zeros(out_shape.shape, out_shape.dtype)
+        return call
+
+    monkeypatch.setattr(kern.pl, "pallas_call", fake_pallas_call)
+    w = random_weight(np.random.default_rng(8), 256, 64, 128)
+    e = {name: jnp.asarray(a) for name, a in int4.to_engine(w).items()}
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((1, 256)), jnp.bfloat16)
+    kern.int4_matmul_parts(x, **e, group_size=128)
+    kern.int4_matmul_parts(jnp.concatenate([x, x]), **e, group_size=128)
+    assert seen[0].dtype == jnp.bfloat16 and seen[0].shape == (256,)
+    np.testing.assert_array_equal(np.asarray(seen[0], np.float32), np.asarray(x[0], np.float32))
+    assert seen[1].shape == (4, 16, 64)  # two rows padded to a 16-row tile: 4 pair planes of K/4
+
+
 def test_int4_default_kernel_choice():
     """One row, and 2..64 rows with scale groups of >= 128, take the plane kernels; the rest the tile
     kernel."""
@@ -368,3 +406,21 @@ def test_gpu_int4_matmul_minicpm4_8b_shapes(m, sym, act_order):
     assert_close(y, exact, 1e-2)
     assert_close(ref, exact, 1e-2)
     assert helpers.rel_err(y, exact) < 5e-3
+
+
+@pytest.mark.gpu
+def test_gpu_int4_parts_of_a_long_k_row():
+    """Compiled kernel (bf16), one row at MiniCPM4-8B's down_proj split over 2 GPUs (K=8192, N=4096, g128): the
+    parts API's MAX_SPLITS parts sum to the product."""
+    from pallas_kernels.matmul import MAX_SPLITS
+
+    rng = np.random.default_rng(11)
+    k, n, gs = 8192, 4096, 128
+    w = random_weight(rng, k, n, gs, sym=True, act_order=False)
+    arrays = {name: jnp.asarray(a, jnp.bfloat16) if name == "scales" else jnp.asarray(a)
+              for name, a in int4.to_engine(w).items()}
+    x = jnp.asarray(rng.standard_normal((1, k)).astype(np.float32), jnp.bfloat16)
+    parts = kern.int4_matmul_parts(x, **arrays, group_size=gs, interpret=False)
+    exact = kern.int4_matmul_reference(x.astype(jnp.float32), **arrays, group_size=gs)
+    assert parts.parts.shape == (MAX_SPLITS, 1, n)
+    assert helpers.rel_err(np.asarray(parts.total()), np.asarray(exact)) < 5e-3
