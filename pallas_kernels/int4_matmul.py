@@ -58,7 +58,7 @@ from pallas_kernels.int4_codes import (PAIR_LOW_HALF, PLANE_BITS, SYM_ZERO, cent
                                        pairs_for, plane_pair, planes_x)
 from pallas_kernels.launch import (KernelConfig, interpreted, is_power_of_2, launch_options, next_power_of_2,
                                    num_cores)
-from pallas_kernels.matmul import MAX_SPLITS, SplitSum
+from pallas_kernels.matmul import SplitSum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -543,34 +543,31 @@ def int4_matmul(
     if math.prod(x.shape[:-1]) > MAX_KERNEL_ROWS and config is None:  # prefill chunks: dequantize, XLA's GEMM
         return int4_matmul_prefill(x, qweight, scales, zeros, perm, group_size=group_size, out_dtype=out_dtype,
                                    interpret=interpret)
-    y = _parts(x, qweight, scales, zeros, perm, group_size=group_size, config=config, splits=splits, kernel=kernel,
-               interpret=interpret)
+    y = int4_matmul_parts(x, qweight, scales, zeros, perm, group_size=group_size, config=config, splits=splits,
+                          kernel=kernel, interpret=interpret)
     return y.total().astype(out_dtype or x.dtype)
 
 
-def int4_matmul_parts_reference(x, qweight, scales, zeros=None, perm=None, *, group_size: int) -> SplitSum:
-    """:func:`int4_matmul_reference` in fp32 as one part: ``SplitSum([1, rows, N])``."""
+def int4_matmul_parts_reference(x, qweight, scales, zeros=None, perm=None, *, group_size: int,
+                                max_parts: int | None = None) -> SplitSum:
+    """:func:`int4_matmul_reference` in fp32 as one part: ``SplitSum([1, rows, N])`` (one is at most any
+    ``max_parts``)."""
+    del max_parts
     return SplitSum.whole(int4_matmul_reference(x, qweight, scales, zeros, perm, group_size=group_size,
                                                 out_dtype=jnp.float32))
 
 
-def int4_matmul_parts(x, qweight, scales, zeros=None, perm=None, *, group_size: int,
+def int4_matmul_parts(x, qweight, scales, zeros=None, perm=None, *, group_size: int, max_parts: int | None = None,
                       config: Int4Config | None = None, splits: int | None = None, kernel: str | None = None,
                       interpret: bool | None = None) -> SplitSum:
-    """:func:`int4_matmul` in fp32 with the kernels' K-split partial sums left unreduced (a row-parallel
-    linear's, which the all-reduce kernel adds: ``pallas_kernels.residual``); prefill chunks: one part.
-    Without ``config`` / ``splits``, at most :data:`~pallas_kernels.matmul.MAX_SPLITS` parts, as
-    ``matmul_parts``: the fused all-reduce adds that many as it reads them, where more take an XLA sum first.
-    MiniCPM4-8B's down_proj at TP 2 (K = 8192) in 8 parts instead of 32 cost its kernel nothing (9.88 against
-    9.76 µs on an H200) and saves that sum (1.5 µs a layer; session 50)."""
-    return _parts(x, qweight, scales, zeros, perm, group_size=group_size, config=config, splits=splits, kernel=kernel,
-                  interpret=interpret, max_splits=MAX_SPLITS)
+    """:func:`int4_matmul` in fp32 with the kernels' K-split partial sums left unreduced, for a consumer that adds
+    them as it reads them: a row-parallel linear's all-reduce kernel (``pallas_kernels.residual``), the RoPE
+    kernel (``pallas_kernels.rope_write``). Prefill chunks: one part.
 
-
-def _parts(x, qweight, scales, zeros=None, perm=None, *, group_size: int, config: Int4Config | None,
-           splits: int | None, kernel: str | None, interpret: bool | None, max_splits: int | None = None) -> SplitSum:
-    """The kernels' parts of ``x @ dequant(W)`` (:func:`int4_matmul_parts`); ``max_splits`` caps the default
-    split count."""
+    max_parts: the most parts the consumer adds (the fused all-reduce: ``MAX_PARTS``); the kernel's own split is
+    cut to a divisor of it (without ``config`` / ``splits``). MiniCPM4-8B's down_proj at TP 2 (K = 8192) in 8
+    parts instead of 32 cost its kernel 0.1 µs on an H200 and saves XLA's sum of 32 (1.5 µs a layer, session 50);
+    its q/k/v in 8 instead of 16 would cost 2.4 µs, so the RoPE kernel takes them all."""
     k, n = _shape_kn(qweight)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
@@ -586,8 +583,8 @@ def _parts(x, qweight, scales, zeros=None, perm=None, *, group_size: int, config
     if kernel not in KERNELS:
         raise ValueError(f"unknown int4 kernel {kernel!r}; expected one of {KERNELS}")
     cfg, num_splits = choose_config(m, k, n, group_size, config, kernel, splits)
-    if splits is None and config is None and max_splits is not None:
-        num_splits = _largest_divisor(num_splits, max_splits)  # still divides K's steps; the tiles are kept
+    if splits is None and config is None and max_parts is not None:
+        num_splits = _largest_divisor(num_splits, max_parts)  # still divides K's steps; the tiles are kept
     block_k = cfg.block_k
     chunk = _chunk(block_k, group_size)
     if block_k % chunk or k % (block_k * num_splits):

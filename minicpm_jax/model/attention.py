@@ -22,6 +22,7 @@ from minicpm_jax.model.parallel import EMBED, HEADS, QKV, TensorParallel
 from minicpm_jax.model.rope import rope_frequencies, rope_inverse, rope_tables
 from minicpm_jax.quant import QuantSpec
 from pallas_kernels import backend
+from pallas_kernels.matmul import SplitSum, summed
 from pallas_kernels.rope_write import rotate
 
 
@@ -124,7 +125,12 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         d = cfg.head_dim
         nq = self.q_heads * d
-        heads = self.qkv_proj(x).reshape(b, t, self.q_heads + 2 * self.kv_heads, d)  # q, k, v heads
+        # One token a row (decode): the projection's K-split parts go to the RoPE kernel unsummed; it adds them as
+        # it reads each head, where the split-K GEMM's own sum was a launch a layer (2x H200, MiniCPM4-8B: 0.03-0.05
+        # ms a step faster but at int4 TP 2, which did not move; session 51). Prefill chunks and trees take the
+        # product (``heads``; where nothing reads it, XLA drops it).
+        projected = self.qkv_proj.parts(x) if t == 1 and tree is None else self.qkv_proj(x)
+        heads = summed(projected).astype(x.dtype).reshape(b, t, self.q_heads + 2 * self.kv_heads, d)  # q, k, v
         inv_freq, rope_scale = self._rope()
         cos, sin = rope_tables(positions, inv_freq, rope_scale) if tables is None else tables
         q_nope = heads[:, :, : self.q_heads]
@@ -156,7 +162,8 @@ class Attention(nnx.Module):
                     out = jnp.where(use[:, :, None, None], sparse_out, dense_tree())
             return self.o_proj.partial(out.reshape(b, t, nq)), cache
         # Rotation and the cache write in one op: one launch a decode step (pallas_kernels.rope_write).
-        q, cache = cache.write_rotated(self.layer, heads, self.q_heads, cos, sin, positions, valid, ops)
+        q, cache = cache.write_rotated(self.layer, projected if isinstance(projected, SplitSum) else heads,
+                                       self.q_heads, cos, sin, positions, valid, ops, dtype=x.dtype)
         dense = lambda: cache.attend(self.layer, q, positions, kv_lengths, ops, scale=d**-0.5)  # noqa: E731
         if sp is None or mode == "dense":
             out = dense()

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from minicpm_jax.config import ModelConfig, SparseConfig
 from pallas_kernels.infllm.common import Geometry
+from pallas_kernels.matmul import SplitSum
 
 
 def compressed_sizes(sparse: SparseConfig, max_length: int) -> tuple[int, int]:
@@ -130,13 +131,15 @@ class KVCache:
     def _slots(self, positions: jax.Array, valid: jax.Array) -> jax.Array:
         return jnp.where(valid, positions, self.max_length)  # out of bounds -> dropped
 
-    def write_rotated(self, layer: int, qkv: jax.Array, q_heads: int, cos: jax.Array, sin: jax.Array,
-                      positions: jax.Array, valid: jax.Array, ops: ModuleType) -> tuple[jax.Array, "KVCache"]:
+    def write_rotated(self, layer: int, qkv: jax.Array | SplitSum, q_heads: int, cos: jax.Array,
+                      sin: jax.Array, positions: jax.Array, valid: jax.Array, ops: ModuleType,
+                      dtype=None) -> tuple[jax.Array, "KVCache"]:
         """:meth:`write` of the keys and values of a linear's heads ``qkv [B, T, q_heads + 2·kv_heads, D]``
         (q, k, v), q and k rotated by the RoPE tables ``cos, sin [B, T, D/2]`` first (``ops.rope_write``: one
-        launch for decode steps); returns (q rotated ``[B, T, q_heads, D]``, the cache)."""
+        launch for decode steps); returns (q rotated ``[B, T, q_heads, D]``, the cache). ``qkv`` may be the
+        linear's fp32 K-split parts (``[B, T, heads·D]``), which the op sums and rounds to ``dtype``."""
         q, k, v = ops.rope_write(self.k, self.v, qkv, cos, sin, self._slots(positions, valid), layer=layer,
-                                 q_heads=q_heads)
+                                 q_heads=q_heads, dtype=dtype)
         return q, dataclasses.replace(self, k=k, v=v)
 
     def attend(self, layer: int, q: jax.Array, positions: jax.Array, kv_lengths: jax.Array, ops: ModuleType, *,

@@ -18,6 +18,7 @@ from minicpm_jax.model.parallel import EMBED, GATE_UP, MLP as MLP_AXIS, SHARDED,
 from minicpm_jax.quant import QuantSpec, scale_dtype
 from pallas_kernels import backend
 from pallas_kernels.matmul import SplitSum, summed
+from pallas_kernels.peer_all_reduce import MAX_PARTS
 from pallas_kernels.residual import rms_norm
 
 Axes = tuple  # logical axis names of a parameter (``minicpm_jax.model.parallel``), None = replicated
@@ -65,6 +66,14 @@ class Linear(nnx.Module):
         if not self.reduce:
             return ops.matmul(x, self.kernel[...].astype(x.dtype))
         return ops.matmul_parts(x, self.kernel[...].astype(x.dtype))
+
+    def parts(self, x: jax.Array) -> SplitSum:
+        """``x @ kernel`` in fp32 as the backend's K-split parts (``matmul_parts``; one part where it splits
+        nothing), for a consumer that adds them as it reads them (the RoPE kernel). Not for a row-parallel
+        linear, whose parts are partial sums over the devices (:meth:`partial`)."""
+        if self.reduce:
+            raise ValueError("a row-parallel linear's parts are partial sums over the devices: use partial()")
+        return backend.get(self.impl).matmul_parts(x, self.kernel[...].astype(x.dtype))
 
 
 def _reduced(linear, y: jax.Array | SplitSum, dtype) -> jax.Array:
@@ -122,7 +131,16 @@ class Int4Linear(nnx.Module):
         if perm is not None:  # this shard's rows (in stored order) read input channels perm[rows]
             x = jnp.take(self.tp.all_gather(x, -1), perm, axis=-1)
         return backend.get(self.impl).int4_matmul_parts(x, self.qweight[...], self.scales[...], zeros, None,
-                                                        group_size=group_size)
+                                                        group_size=group_size, max_parts=MAX_PARTS)
+
+    def parts(self, x: jax.Array) -> SplitSum:
+        """As :meth:`Linear.parts`: the kernel's own K-split parts (``int4_matmul_parts``, no cap)."""
+        if self.reduce:
+            raise ValueError("a row-parallel linear's parts are partial sums over the devices: use partial()")
+        zeros = self.zeros[...] if hasattr(self, "zeros") else None
+        perm = self.perm[...] if hasattr(self, "perm") else None
+        return backend.get(self.impl).int4_matmul_parts(x, self.qweight[...], self.scales[...], zeros, perm,
+                                                        group_size=min(self.group_size, x.shape[-1]))
 
 
 def make_linear(in_features: int, out_features: int, quant: QuantSpec | None, *, impl: str,

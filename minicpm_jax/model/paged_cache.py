@@ -31,6 +31,7 @@ from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.cache import TreeInputs, cleared_lengths
 from pallas_kernels.infllm.common import Geometry
 from pallas_kernels.infllm.paged import check_paged_geometry
+from pallas_kernels.matmul import SplitSum
 
 # A row's tree scratch region holds a whole tree (MAX_TREE_NODES of pallas_kernels.tree_attention).
 TREE_SLOTS = 64
@@ -152,12 +153,13 @@ class PagedKVCache:
         keep = valid & (positions >= 0) & (positions < self.max_length)
         return jnp.where(keep, self.slots_of(positions), self.k.shape[2])  # out of bounds -> dropped
 
-    def write_rotated(self, layer: int, qkv: jax.Array, q_heads: int, cos: jax.Array, sin: jax.Array,
-                      positions: jax.Array, valid: jax.Array, ops: ModuleType) -> tuple[jax.Array, "PagedKVCache"]:
+    def write_rotated(self, layer: int, qkv: jax.Array | SplitSum, q_heads: int, cos: jax.Array,
+                      sin: jax.Array, positions: jax.Array, valid: jax.Array, ops: ModuleType,
+                      dtype=None) -> tuple[jax.Array, "PagedKVCache"]:
         """:meth:`write` of a linear's heads ``qkv [B, T, q_heads + 2·kv_heads, D]`` with q and k rotated
         first (``ops.paged_rope_write``), as :meth:`KVCache.write_rotated`; returns (q rotated, the cache)."""
         q, k, v = ops.paged_rope_write(self.k, self.v, qkv, cos, sin, self._slots(positions, valid), layer=layer,
-                                       q_heads=q_heads)
+                                       q_heads=q_heads, dtype=dtype)
         return q, dataclasses.replace(self, k=k, v=v)
 
     def attend(self, layer: int, q: jax.Array, positions: jax.Array, kv_lengths: jax.Array, ops: ModuleType, *,

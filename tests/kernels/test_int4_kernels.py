@@ -74,19 +74,22 @@ def test_int4_matmul_matches_numpy(k, n, gs, sym, act_order, m, splits, config):
     np.testing.assert_allclose(np.asarray(deq), stored.dequantize(), rtol=1e-6, atol=0)
 
 
-def test_a_one_row_products_parts_are_at_most_what_the_fused_all_reduce_adds():
-    """By default the one-row kernel splits a long K into more parts than the fused all-reduce adds (32 here, as
-    MiniCPM4-8B's down_proj at TP 2); the parts API leaves MAX_SPLITS of them, with the same product."""
-    from pallas_kernels.matmul import MAX_SPLITS
+def test_a_one_row_products_parts_are_cut_to_what_the_consumer_adds():
+    """The one-row kernel splits a long K into more parts than the fused all-reduce adds (32 here, as
+    MiniCPM4-8B's down_proj at TP 2); ``max_parts`` leaves at most that many (a divisor of the kernel's split),
+    without it the kernel's own, each with the same product."""
+    from pallas_kernels.peer_all_reduce import MAX_PARTS
 
     k, n, gs = 8192, 64, 128
     rng = np.random.default_rng(5)
     w = random_weight(rng, k, n, gs, sym=True, act_order=False)
     arrays = {name: jnp.asarray(a) for name, a in int4.to_engine(w).items()}
     x = rng.standard_normal((1, k)).astype(np.float32)
-    assert kern.choose_config(1, k, n, gs, kernel=kern.default_kernel(1, gs))[1] == 4 * MAX_SPLITS
-    parts = kern.int4_matmul_parts(jnp.asarray(x), **arrays, group_size=gs)
-    assert parts.parts.shape == (MAX_SPLITS, 1, n)
+    assert kern.choose_config(1, k, n, gs, kernel=kern.default_kernel(1, gs))[1] == 32
+    assert kern.int4_matmul_parts(jnp.asarray(x), **arrays, group_size=gs).parts.shape == (32, 1, n)
+    parts = kern.int4_matmul_parts(jnp.asarray(x), **arrays, group_size=gs, max_parts=MAX_PARTS)
+    assert parts.parts.shape == (MAX_PARTS, 1, n)
+    assert kern.int4_matmul_parts(jnp.asarray(x), **arrays, group_size=gs, max_parts=12).parts.shape[0] == 8
     assert_close(parts.total(), _oracle_y(x, w), 1e-5)
 
 
@@ -411,8 +414,8 @@ def test_gpu_int4_matmul_minicpm4_8b_shapes(m, sym, act_order):
 @pytest.mark.gpu
 def test_gpu_int4_parts_of_a_long_k_row():
     """Compiled kernel (bf16), one row at MiniCPM4-8B's down_proj split over 2 GPUs (K=8192, N=4096, g128): the
-    parts API's MAX_SPLITS parts sum to the product."""
-    from pallas_kernels.matmul import MAX_SPLITS
+    fused all-reduce's MAX_PARTS parts sum to the product."""
+    from pallas_kernels.peer_all_reduce import MAX_PARTS
 
     rng = np.random.default_rng(11)
     k, n, gs = 8192, 4096, 128
@@ -420,7 +423,7 @@ def test_gpu_int4_parts_of_a_long_k_row():
     arrays = {name: jnp.asarray(a, jnp.bfloat16) if name == "scales" else jnp.asarray(a)
               for name, a in int4.to_engine(w).items()}
     x = jnp.asarray(rng.standard_normal((1, k)).astype(np.float32), jnp.bfloat16)
-    parts = kern.int4_matmul_parts(x, **arrays, group_size=gs, interpret=False)
+    parts = kern.int4_matmul_parts(x, **arrays, group_size=gs, max_parts=MAX_PARTS, interpret=False)
     exact = kern.int4_matmul_reference(x.astype(jnp.float32), **arrays, group_size=gs)
-    assert parts.parts.shape == (MAX_SPLITS, 1, n)
+    assert parts.parts.shape == (MAX_PARTS, 1, n)
     assert helpers.rel_err(np.asarray(parts.total()), np.asarray(exact)) < 5e-3

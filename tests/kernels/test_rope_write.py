@@ -91,6 +91,41 @@ def test_paged_kernel_equals_reference_and_a_numpy_scatter():
     np.testing.assert_array_equal(np.asarray(v, np.float32), v_want)
 
 
+@pytest.mark.parametrize("splits,paged", [(4, False), (3, False), (2, True)], ids=["4-parts", "3-parts", "paged"])
+def test_kernel_adds_the_projections_parts_as_it_reads_them(splits, paged):
+    """A SplitSum of fp32 K-split parts (with a padding row, as a duplicated one-row GEMM leaves): summed and
+    rounded to ``dtype`` before the rotation, in the kernel (a power-of-2 count) or before it (3 parts), equal
+    to the reference and to the heads themselves handed in already summed."""
+    from pallas_kernels.matmul import SplitSum
+
+    b, t = 2, 1
+    rng = np.random.default_rng(splits)
+    n = (HQ + 2 * KVH) * D
+    parts = jnp.asarray(rng.standard_normal((splits, b * t + 1, n)), jnp.float32)
+    qkv = SplitSum(parts, (b, t, n))
+    heads = qkv.total().astype(jnp.bfloat16).reshape(b, t, HQ + 2 * KVH, D)
+    _, cos, sin = _inputs(1, b, t)
+    if paged:
+        kernel, reference = paged_rope_write, paged_rope_write_reference
+        k_cache = jax.random.normal(jax.random.PRNGKey(2), (LAYERS, KVH, 20, D), jnp.bfloat16)
+        slots = jnp.asarray([[13], [4]], jnp.int32)
+    else:
+        kernel, reference = rope_write, rope_write_reference
+        k_cache = jax.random.normal(jax.random.PRNGKey(2), (LAYERS, b, KVH, S, D), jnp.bfloat16)
+        slots = jnp.asarray([[5], [S]], jnp.int32)  # row 1's token dropped
+    v_cache = -k_cache
+    run = lambda f, x, **kw: jax.jit(functools.partial(f, layer=LAYER, q_heads=HQ, **kw))(  # noqa: E731
+        k_cache, v_cache, x, cos, sin, slots)
+    got = run(functools.partial(kernel, interpret=True), qkv, dtype=jnp.bfloat16)
+    for want in (run(reference, qkv, dtype=jnp.bfloat16), run(reference, heads)):
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    _check_q(got[0], heads, cos, sin)
+    with pytest.raises(ValueError, match="dtype"):
+        kernel(k_cache, v_cache, qkv, cos, sin, slots, layer=LAYER, q_heads=HQ)
+
+
 def test_prefill_chunks_take_the_reference():
     """More than MAX_KERNEL_TOKENS tokens a row: the reference (no kernel in the program)."""
     t = MAX_KERNEL_TOKENS + 1
@@ -119,34 +154,48 @@ def test_bad_shapes_are_refused():
         paged_rope_write(cache, cache, qkv, cos, sin, slots, layer=0, q_heads=HQ)
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["stacked", "paged"])
-def test_kernel_lowers_for_cuda_without_a_gpu(paged):
-    """MiniCPM4-8B's heads (32 query, 2 KV, head_dim 128) through the Triton lowering, one launch."""
+@pytest.mark.parametrize("paged,parts", [(False, False), (True, False), (False, True)],
+                         ids=["stacked", "paged", "stacked-16-parts"])
+def test_kernel_lowers_for_cuda_without_a_gpu(paged, parts):
+    """MiniCPM4-8B's heads (32 query, 2 KV, head_dim 128) through the Triton lowering, one launch (with the
+    projection's 16 parts, as the int4 one-row kernel leaves them at TP 2: still one launch, no sum before)."""
+    from pallas_kernels.matmul import SplitSum
+
     spec = jax.ShapeDtypeStruct
     cache = spec((4, 2, 1000, 128) if paged else (4, 2, 2, 1000, 128), jnp.bfloat16)
-    args = (cache, cache, spec((2, 1, 36, 128), jnp.bfloat16), spec((2, 1, 64), jnp.float32),
-            spec((2, 1, 64), jnp.float32), spec((2, 1), jnp.int32))
-    fn = functools.partial(paged_rope_write if paged else rope_write, layer=3, q_heads=32, interpret=False)
+    qkv = SplitSum(spec((16, 2, 36 * 128), jnp.float32), (2, 1, 36 * 128)) if parts else spec((2, 1, 36, 128),
+                                                                                           jnp.bfloat16)
+    args = (cache, cache, qkv, spec((2, 1, 64), jnp.float32), spec((2, 1, 64), jnp.float32), spec((2, 1), jnp.int32))
+    fn = functools.partial(paged_rope_write if paged else rope_write, layer=3, q_heads=32, interpret=False,
+                           dtype=jnp.bfloat16)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "reduce" not in text.split("__gpu$xla.gpu.triton")[0]  # nothing summed before the kernel
     assert ("minicpm_paged_rope_write" if paged else "minicpm_rope_write") in text
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 12])
-def test_gpu_kernel_matches_the_reference_at_minicpm4_shapes(t):
+@pytest.mark.parametrize("t,splits", [(1, 0), (12, 0), (1, 16)], ids=["t1", "t12", "t1-16-parts"])
+def test_gpu_kernel_matches_the_reference_at_minicpm4_shapes(t, splits):
     """On the GPU the kernel's float32 rotation is not contracted into FMAs, XLA's may be: equal within a
-    bf16 rounding step of the outputs (the values bit for bit)."""
+    bf16 rounding step of the outputs (the values bit for bit, but from parts: summed in another order)."""
+    from pallas_kernels.matmul import SplitSum
+
     b = 2
     qkv, cos, sin = _inputs(11, b, t, d=128, hq=32, kvh=2)
+    kw = {}
+    if splits:
+        parts = np.random.default_rng(12).standard_normal((splits, b * t, 36 * 128)) / 4
+        qkv, kw = SplitSum(jnp.asarray(parts, jnp.float32), (b, t, 36 * 128)), dict(dtype=jnp.bfloat16)
     keys = jax.random.split(jax.random.PRNGKey(11), 2)
     k_cache = jax.random.normal(keys[0], (4, b, 2, 2048, 128), jnp.bfloat16)
     v_cache = jax.random.normal(keys[1], (4, b, 2, 2048, 128), jnp.bfloat16)
     slots = jnp.asarray(np.stack([1000 + np.arange(t), 7 + np.arange(t)]), jnp.int32)
-    run = lambda f: jax.jit(functools.partial(f, layer=2, q_heads=32))(  # noqa: E731
+    run = lambda f: jax.jit(functools.partial(f, layer=2, q_heads=32, **kw))(  # noqa: E731
         k_cache, v_cache, qkv, cos, sin, slots)
     got, want = run(rope_write), run(rope_write_reference)
     for g, w in zip(got, want):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(got[2], np.float32), np.asarray(want[2], np.float32))
+    if not splits:
+        np.testing.assert_array_equal(np.asarray(got[2], np.float32), np.asarray(want[2], np.float32))
