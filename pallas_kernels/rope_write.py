@@ -14,7 +14,7 @@ Shared signature (contiguous cache, the layout of :mod:`pallas_kernels.cache_wri
 
 qkv ``[B, T, Hq + 2·KVH, D]`` (heads in the order q, k, v), or the projection's fp32 K-split parts as a
 :class:`~pallas_kernels.matmul.SplitSum` of shape ``[B, T, (Hq + 2·KVH)·D]``, which are summed and rounded to
-``dtype`` (required then; default qkv's) before anything else: the kernel adds them as it reads a head, so the
+``dtype`` (required then; heads keep their own) before anything else: the kernel adds them as it reads a head, so the
 split-K GEMM's own sum is not a launch of its own (1.2 µs a layer on an H200); cos / sin float32 ``[B, T, D/2]``
 (the RoPE tables of :func:`rotate`, attention scaling included); slots ``int32 [B, T]`` as :func:`cache_write`'s
 (outside the cache: dropped). q: ``[B, T, Hq, D]`` rotated, in ``dtype``. Paged (``k_pages`` ``[L, KVH,
@@ -170,7 +170,7 @@ def _rope_write_call(k_cache, v_cache, qkv, cos, sin, slots, q_heads, dtype, cac
 def _kernel_input(qkv, dtype, head_dim: int):
     """(what the kernel reads, q's dtype): heads, or parts whose count is a power of 2 (others summed first)."""
     if not isinstance(qkv, SplitSum):
-        return qkv, dtype or qkv.dtype
+        return qkv, qkv.dtype  # heads keep their dtype, as in the reference
     return (qkv if is_power_of_2(qkv.parts.shape[0]) else heads_of(qkv, dtype, head_dim)), dtype
 
 

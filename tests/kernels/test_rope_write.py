@@ -122,6 +122,8 @@ def test_kernel_adds_the_projections_parts_as_it_reads_them(splits, paged):
             assert g.dtype == w.dtype
             np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
     _check_q(got[0], heads, cos, sin)
+    for f in (functools.partial(kernel, interpret=True), reference):  # heads keep their dtype, whatever dtype says
+        assert run(f, heads, dtype=jnp.float32)[0].dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="dtype"):
         kernel(k_cache, v_cache, qkv, cos, sin, slots, layer=LAYER, q_heads=HQ)
 
