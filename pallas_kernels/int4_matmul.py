@@ -370,8 +370,8 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
         return x_ref[p, :, pl.ds(r0, rows)] if mode == "dot" else x_ref[p, pl.ds(r0, rows), :]
 
     def gemv_x(r0) -> list[jax.Array]:
-        """One row: x's 8 planes of the chunk at word row r0, ``x[8(r0 + i) + p]`` for i < rows, as float32
-        (times ``2^-e_p`` for the float32 planes), split out of one contiguous load of the chunk of x itself.
+        """One row: x's 8 planes of the chunk at word row r0, ``x[8(r0 + i) + p]`` for i < rows, as float32,
+        split out of one contiguous load of the chunk of x itself.
 
         Planes cut outside were a launch of their own wherever x's producer is not an XLA fusion (the fused
         all-reduce at TP 2, the attention's output): 105 µs a TP 2 int4 step. In the kernel alone (H200, bf16,
@@ -379,8 +379,7 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
         q/k/v (6.26 against 5.83 µs; a layer 53.2 against 55.4 µs at TP 1, 31.9 against 35.2 at TP 2), and
         stride-8 loads of each plane (55.3 and 32.8) (lab note of the fifty-first session)."""
         xc = x_ref[pl.ds(8 * r0, 8 * rows)].astype(jnp.float32).reshape(rows, 8)
-        xs = [a.reshape(rows) for a in jnp.split(xc, 8, axis=1)]
-        return xs if pairs else [xp * float(2.0 ** -PLANE_BITS[p][1]) for p, xp in enumerate(xs)]
+        return [a.reshape(rows) for a in jnp.split(xc, 8, axis=1)]
 
     def chunk_product(w, r0, xg):
         """``Σ_p`` plane products of one chunk: ``[BM, BN]`` (``[BN, BM]`` for dot_t, ``[rows, BN]`` gemv, whose
@@ -416,8 +415,8 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
 
     def plane_product(w, r0, p, xg):
         q = float32_plane(w, p, zero)
-        if mode == "gemv":
-            return q * xg[p][:, None]
+        if mode == "gemv":  # the float32 plane holds q·2^e_p: x's plane takes 2^-e_p (exact)
+            return q * (xg[p] * float(2.0 ** -PLANE_BITS[p][1]))[:, None]
         xp = x_plane(r0, p)
         return dot(xp, q.astype(xp.dtype)) if mode == "dot" else dot(q.astype(xp.dtype).T, xp)
 
@@ -443,9 +442,8 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
                 # One row: zo times x, subtracted row by row from the chunk's [rows, BN] products before the
                 # scale: x's rows are the planes' rows summed (unscaled), so no chunk sums are computed outside
                 # (an XLA reduction and launch per linear).
-                xs = xg if pairs else [xp * float(2 ** PLANE_BITS[p][1]) for p, xp in enumerate(xg)]
-                x_high = xs[4] + xs[5] + xs[6] + xs[7]
-                xv = xs[0] + xs[1] + xs[2] + xs[3] + x_high  # [rows]
+                x_high = xg[4] + xg[5] + xg[6] + xg[7]
+                xv = xg[0] + xg[1] + xg[2] + xg[3] + x_high  # [rows]
                 low = PAIR_LOW_HALF * x_high if pairs else 0.0  # the unmasked high halves' low bits
                 if has_zeros:  # zo [1, BN]
                     t = fma(-zo, xv[:, None], t - low[:, None] if pairs else t, asm=asm)
@@ -649,19 +647,18 @@ def _planes_matmul(x2, qweight, scales, zeros, perm, cfg: Int4Config, num_splits
     if mode != "gemv" and rows < 16:
         raise ValueError(f"the {kernel} kernel needs sub-blocks of >= 128 input rows (scale groups of >= 128 and "
                          f"block_k >= 128) for {m} rows; got {chunk} (group_size {group_size})")
-    dtype = x2.dtype
     pairs = pairs_for(x2.dtype, mode == "gemv")
     block_n, groups = cfg.block_n, k // group_size
     if mode == "gemv":  # x as it is: the kernel splits its planes out of it (_plane_kernel's gemv_x)
         x_spec, xp = pl.BlockSpec((k,), lambda i, j, s: (0,)), x2.reshape(k)
     elif mode == "dot" and pairs:
-        x_spec, xp = pl.BlockSpec((4, block_m, k // 4), lambda i, j, s: (0, i, 0)), joined_x(x2, dtype)
+        x_spec, xp = pl.BlockSpec((4, block_m, k // 4), lambda i, j, s: (0, i, 0)), joined_x(x2, x2.dtype)
     elif mode == "dot_t":
         x_spec = pl.BlockSpec((8, k // 8, block_m), lambda i, j, s: (0, 0, i))
-        xp = planes_x(x2, True, dtype, scaled=pairs is None)
+        xp = planes_x(x2, True, x2.dtype, scaled=pairs is None)
     else:
         x_spec = pl.BlockSpec((8, block_m, k // 8), lambda i, j, s: (0, i, 0))
-        xp = planes_x(x2, False, dtype)
+        xp = planes_x(x2, False, x2.dtype)
     in_specs = [x_spec, pl.BlockSpec((k // 8, block_n), lambda i, j, s: (0, j)),
                 pl.BlockSpec((groups, block_n), lambda i, j, s: (0, j))]
     args = [xp, qweight, scales]

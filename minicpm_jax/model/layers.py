@@ -71,9 +71,13 @@ class Linear(nnx.Module):
         """``x @ kernel`` in fp32 as the backend's K-split parts (``matmul_parts``; one part where it splits
         nothing), for a consumer that adds them as it reads them (the RoPE kernel). Not for a row-parallel
         linear, whose parts are partial sums over the devices (:meth:`partial`)."""
-        if self.reduce:
-            raise ValueError("a row-parallel linear's parts are partial sums over the devices: use partial()")
+        _check_column_parallel(self)
         return backend.get(self.impl).matmul_parts(x, self.kernel[...].astype(x.dtype))
+
+
+def _check_column_parallel(linear) -> None:
+    if linear.reduce:
+        raise ValueError("a row-parallel linear's parts are partial sums over the devices: use partial()")
 
 
 def _reduced(linear, y: jax.Array | SplitSum, dtype) -> jax.Array:
@@ -122,8 +126,7 @@ class Int4Linear(nnx.Module):
     def partial(self, x: jax.Array) -> jax.Array | SplitSum:
         """As :meth:`Linear.partial`: fp32 partial products when row-parallel (the kernel's K-split parts,
         ``int4_matmul_parts``), else the output."""
-        zeros = self.zeros[...] if hasattr(self, "zeros") else None
-        perm = self.perm[...] if hasattr(self, "perm") else None
+        zeros, perm = self._zeros_perm()
         group_size = min(self.group_size, x.shape[-1])  # per-channel scales over a shard's rows
         if not self.reduce:
             return backend.get(self.impl).int4_matmul(x, self.qweight[...], self.scales[...], zeros, perm,
@@ -135,12 +138,15 @@ class Int4Linear(nnx.Module):
 
     def parts(self, x: jax.Array) -> SplitSum:
         """As :meth:`Linear.parts`: the kernel's own K-split parts (``int4_matmul_parts``, no cap)."""
-        if self.reduce:
-            raise ValueError("a row-parallel linear's parts are partial sums over the devices: use partial()")
-        zeros = self.zeros[...] if hasattr(self, "zeros") else None
-        perm = self.perm[...] if hasattr(self, "perm") else None
+        _check_column_parallel(self)
+        zeros, perm = self._zeros_perm()
         return backend.get(self.impl).int4_matmul_parts(x, self.qweight[...], self.scales[...], zeros, perm,
                                                         group_size=min(self.group_size, x.shape[-1]))
+
+    def _zeros_perm(self) -> tuple[jax.Array | None, jax.Array | None]:
+        """The zero points and the act-order permutation, each None where the weights have none."""
+        return (self.zeros[...] if hasattr(self, "zeros") else None,
+                self.perm[...] if hasattr(self, "perm") else None)
 
 
 def make_linear(in_features: int, out_features: int, quant: QuantSpec | None, *, impl: str,
