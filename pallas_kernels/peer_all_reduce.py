@@ -59,8 +59,12 @@ MAX_ELEMENTS = TILE * MAX_PROGRAMS  # the largest message (256K fp32; a batch of
 # The fused all-reduce + residual add + RMSNorm (:func:`peer_all_reduce_add_norm`) works in rows:
 ROW_WORDS = 8192  # the widest row (a row's place in the workspace: ``row * ROW_WORDS``)
 MAX_ROWS = MAX_ELEMENTS // ROW_WORDS  # rows per call (32)
-ROW_TILE = 1024  # elements a program reduces (a row's programs then trade their sums of squares)
-MAX_TILES = ROW_WORDS // ROW_TILE  # counters a row (8)
+# Elements a program reduces (a row's programs then trade their sums of squares). 512, not the first version's
+# 1,024: twice the programs a row made TP 2 decode faster at one row (2.851 -> 2.785 ms/token) and made the
+# fused kernel win at 16 rows (3.467 -> 3.37 per step, where 1,024 lost: 3.80; 2x H200, 2026-11-30, one process
+# a variant; docs/lab_notes/2026-11-30-fifty-second-session.md).
+ROW_TILE = 512
+MAX_TILES = ROW_WORDS // ROW_TILE  # counters a row (16)
 _ROW_COUNTERS = MAX_PROGRAMS  # first word of the rows' counters (after the flat kernel's)
 _ROW_PARTIALS = _ROW_COUNTERS + MAX_ROWS * MAX_TILES  # first word of the rows' programs' sums of squares
 _COUNTERS = _ROW_PARTIALS + MAX_ROWS * MAX_TILES  # counter-like words in all; the slots follow

@@ -39,14 +39,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.collectives import all_reduce
-from pallas_kernels.matmul import SplitSum, as_split, summed
+from pallas_kernels.matmul import SplitSum, summed
 from pallas_kernels.peer_all_reduce import MAX_ELEMENTS, PeerWorkspace, fits_rows, peer_all_reduce_add_norm
 
-# Rows up to which residual_add_norm takes the fused kernel. Measured end to end on 2x H200 (MiniCPM4-8B shape,
-# TP 2, 2026-11-28): one row (batch-1 decode) gained (3.398 -> 3.252 ms/token), 16 rows lost (3.867 -> 4.058).
-# Rows in between have no end-to-end row (a chained-call probe's ~20 us of overhead a call hid the kernels'
-# few), so they keep the plain all-reduce + XLA's add and norm.
-FUSED_ROWS = 1
 # Elements of a device's message above which it is reduced in the residual's dtype (the module docstring):
 # the peer kernel's largest message, so every message the kernel takes stays fp32.
 WIDE_MESSAGE = MAX_ELEMENTS
@@ -111,10 +106,12 @@ def residual_add_norm(partial: jax.Array | SplitSum, residual: jax.Array, scale:
                       peers: PeerWorkspace | None = None) -> tuple[jax.Array, jax.Array]:
     """:func:`residual_add_norm_reference`: one kernel for the reduction, the add and the norm
     (:func:`~pallas_kernels.peer_all_reduce.peer_all_reduce_add_norm`, which also adds a ``SplitSum``'s parts)
-    when ``peers`` is given, the rows fit
-    (:func:`~pallas_kernels.peer_all_reduce.fits_rows`) and there are at most :data:`FUSED_ROWS`, else
-    :func:`residual_add`'s reduction, then XLA's add and norm."""
-    if axis_name is not None and fits_rows(partial, peers) and as_split(partial).rows <= FUSED_ROWS:
+    when ``peers`` is given and the rows fit (:func:`~pallas_kernels.peer_all_reduce.fits_rows`: up to 32),
+    else :func:`residual_add`'s reduction, then XLA's add and norm. Every row count it fits: measured end to
+    end on 2x H200 (MiniCPM4-8B shape, TP 2), one row gained (3.398 -> 3.252 ms/token, 2026-11-28), and 16 rows,
+    which lost with the first version's 1,024-element tiles (3.867 -> 4.058; 3.467 -> 3.80 on 2026-11-30),
+    gained with 512 (3.467 -> 3.37 per step; docs/lab_notes/2026-11-30-fifty-second-session.md)."""
+    if axis_name is not None and fits_rows(partial, peers):
         return peer_all_reduce_add_norm(partial, residual, scale, weight, eps=eps, workspace=peers,
                                         axis_name=axis_name)
     h = residual_add(partial, residual, scale, axis_name=axis_name, peers=peers)

@@ -2,7 +2,7 @@
 bit for bit ``lax.psum``'s result for 2 ranks (rank-ordered sums equal to a 1e-6 relative tolerance for
 more), over repeated calls of changing sizes (the counters and the two slots of the protocol), a partial
 last tile, and a device-side loop (XLA's while command buffer); the fused all-reduce + add + norm kernel
-wherever its rows fit (the backend picks it for one row only), with its partial sums whole or as K-split parts,
+wherever its rows fit (where the backend picks it), with its partial sums whole or as K-split parts,
 else the pallas backend's residual add + norm
 through the plain kernel, over calls of changing rows and widths interleaved (each kernel's counters and
 slots), against the reference ops; the collective ops of ``pallas_kernels.collectives`` against XLA's."""

@@ -20,7 +20,6 @@ from pallas_kernels import backend
 from pallas_kernels.matmul import SplitSum
 from pallas_kernels.peer_all_reduce import (MAX_ELEMENTS, MAX_PARTS, MAX_ROWS, ROW_TILE, TILE, PeerWorkspace,
                                             peer_all_reduce, peer_all_reduce_add_norm)
-from pallas_kernels.residual import FUSED_ROWS
 
 WORKSPACE = PeerWorkspace((0x7F12_3456_7000, 0x7F98_7654_3000, 0x1_0000_0000))  # 3 ranks: a padded table
 PALLAS = backend.get("pallas")
@@ -86,8 +85,9 @@ def test_pallas_residual_ops_choose_the_kernel_only_when_it_applies():
     assert layer(ws, 1) == ["peer_all_reduce_add_norm 1x1", "peer_all_reduce 1x1"]
     assert layer(ws, 1, width=4096) == [f"peer_all_reduce_add_norm 1x{4096 // ROW_TILE}",
                                         f"peer_all_reduce {4096 // TILE}x1"]
-    # more rows than FUSED_ROWS: XLA's add + norm
-    assert layer(ws, FUSED_ROWS + 3) == [f"peer_all_reduce {-(-(FUSED_ROWS + 3) * 256 // TILE)}x1"] * 2
+    # 16 rows: the fused kernel; more rows than it fits: the plain kernel, then XLA's add + norm
+    assert layer(ws, 16) == ["peer_all_reduce_add_norm 16x1", "peer_all_reduce 8x1"]
+    assert layer(ws, MAX_ROWS + 3) == [f"peer_all_reduce {-(-(MAX_ROWS + 3) * 256 // TILE)}x1"] * 2
     assert layer(ws, 1, width=96) == ["peer_all_reduce 1x1"] * 2  # not a power-of-2 row
     assert layer(None, 4) == []  # no workspace: lax.psum
     assert layer(ws, MAX_ELEMENTS // 256 + 1) == []  # a prefill-sized message: lax.psum
@@ -112,7 +112,8 @@ def test_split_parts_reach_the_fused_kernel_unreduced():
     # more than MAX_PARTS parts (int4 down_proj's 32), or a count not a power of 2: XLA adds them, then the kernel
     assert layer(1, splits=4 * MAX_PARTS) == ([f"peer_all_reduce_add_norm 1x{4096 // ROW_TILE}"], True)
     assert layer(1, splits=3) == ([f"peer_all_reduce_add_norm 1x{4096 // ROW_TILE}"], True)
-    assert layer(3) == ([f"peer_all_reduce {3 * 4096 // TILE}x1"], True)
+    assert layer(3) == ([f"peer_all_reduce_add_norm 3x{4096 // ROW_TILE}"], False)
+    assert layer(MAX_ROWS + 1) == ([f"peer_all_reduce {(MAX_ROWS + 1) * 4096 // TILE}x1"], True)
 
 
 def test_pallas_collective_ops_choose_the_kernel_only_when_it_applies():
