@@ -10,8 +10,8 @@ as XLA fuses them. The ``pallas`` namespace's ops (:func:`residual_add`, :func:`
 through :func:`~pallas_kernels.peer_all_reduce.peer_all_reduce` when the axis has a peer-memory workspace
 (``peers``) and the message fits, so XLA keeps the whole step in one CUDA graph; ``residual_add_norm``
 then does the add and the norm in the same kernel
-(:func:`~pallas_kernels.peer_all_reduce.peer_all_reduce_add_norm`) for a decode step of one row. Without a
-reduction the add and the norm stay XLA's: a Pallas add + norm was measured slower on one GPU (docs/lab_notes,
+(:func:`~pallas_kernels.peer_all_reduce.peer_all_reduce_add_norm`) for up to 32 rows (decode steps, verify
+trees). Without a reduction the add and the norm stay XLA's: a Pallas add + norm was measured slower on one GPU (docs/lab_notes,
 twenty-seventh session): XLA fuses the preceding GEMM's split-K reduction into the add, which a custom call
 cannot absorb.
 
