@@ -11,9 +11,9 @@ through :func:`~pallas_kernels.peer_all_reduce.peer_all_reduce` when the axis ha
 (``peers``) and the message fits, so XLA keeps the whole step in one CUDA graph; ``residual_add_norm``
 then does the add and the norm in the same kernel
 (:func:`~pallas_kernels.peer_all_reduce.peer_all_reduce_add_norm`) for up to 32 rows (decode steps, verify
-trees). Without a reduction the add and the norm stay XLA's: a Pallas add + norm was measured slower on one GPU (docs/lab_notes,
-twenty-seventh session): XLA fuses the preceding GEMM's split-K reduction into the add, which a custom call
-cannot absorb.
+trees). Without a reduction the add and the norm stay XLA's: a Pallas add + norm was measured slower on one
+GPU (docs/lab_notes, twenty-seventh session): XLA fuses the preceding GEMM's split-K reduction into the add,
+which a custom call cannot absorb.
 
 **The message's dtype.** Partial sums are added across devices in fp32 up to :data:`WIDE_MESSAGE` elements
 (the peer kernel's messages: decode steps, verify trees, up to 64 rows of 4,096). A larger message — a prefill
