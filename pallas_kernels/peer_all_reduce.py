@@ -59,12 +59,14 @@ MAX_ELEMENTS = TILE * MAX_PROGRAMS  # the largest message (256K fp32; a batch of
 # The fused all-reduce + residual add + RMSNorm (:func:`peer_all_reduce_add_norm`) works in rows:
 ROW_WORDS = 8192  # the widest row (a row's place in the workspace: ``row * ROW_WORDS``)
 MAX_ROWS = MAX_ELEMENTS // ROW_WORDS  # rows per call (32)
-# Elements a program reduces (a row's programs then trade their sums of squares). 512, not the first version's
-# 1,024: twice the programs a row made TP 2 decode faster at one row (2.851 -> 2.785 ms/token) and made the
-# fused kernel win at 16 rows (3.467 -> 3.37 per step, where 1,024 lost: 3.80; 2x H200, 2026-11-30, one process
-# a variant; docs/lab_notes/2026-11-30-fifty-second-session.md).
-ROW_TILE = 512
-MAX_TILES = ROW_WORDS // ROW_TILE  # counters a row (16)
+# Elements and warps a program (a row's programs then trade their sums of squares), for a lone row (batch-1 decode)
+# and for several rows (measured at 16; other counts take the same). One row: 512, not the first version's 1,024
+# (TP 2 decode 2.851 -> 2.785 ms/token); one program a row (4,096 elements, 16 or 32 warps: 3.02, 2.97) or 2,048
+# (2.85) lost to 512 (2.75-2.76). 16 rows: 256 (3.349 -> 3.246 ms a step in one call; in the next 256 3.27-3.30,
+# 128 3.28, 256 with 2 warps 3.30-3.31). 2x H200, one process a variant, alternating (lab note of 2026-12-01).
+ONE_ROW_TILE, ONE_ROW_WARPS = 512, 4
+ROW_TILE, ROW_WARPS = 256, 4
+MAX_TILES = ROW_WORDS // min(ROW_TILE, ONE_ROW_TILE)  # counters a row (32)
 _ROW_COUNTERS = MAX_PROGRAMS  # first word of the rows' counters (after the flat kernel's)
 _ROW_PARTIALS = _ROW_COUNTERS + MAX_ROWS * MAX_TILES  # first word of the rows' programs' sums of squares
 _COUNTERS = _ROW_PARTIALS + MAX_ROWS * MAX_TILES  # counter-like words in all; the slots follow
@@ -298,6 +300,24 @@ def _kernel(table_ref, rank_ref, x_ref, o_ref, *, size: int, elements: int):
     o_ref[...] = lax.bitcast_convert_type(kept, jnp.float32)
 
 
+def _traded_inv(table_ref, rank, row, j, tiles: int, h, epoch, width: int, eps: float):
+    """``rsqrt(mean(row²) + eps)`` of program ``(row, j)``'s row, from every program's sum of squares over its tile
+    ``h``: traded through this GPU's partial-sum words (one LL word each) and summed in tile order (the same order
+    in every program and on every rank: the replicas stay identical)."""
+    n = max(tiles, 16)  # lanes: a power of 2, at least Triton's smallest block
+    k = jnp.arange(n, dtype=jnp.int32)
+    k_hi, k_lo = _vector(table_ref[rank, 0], n), _vector(table_ref[rank, 1], n)
+    k_epoch = _vector(jnp.max(epoch), n)
+    k_words = (_ROW_PARTIALS + row * MAX_TILES + k).astype(jnp.uint32)
+    mine = lax.bitcast_convert_type(
+        _store(k_hi, k_lo, k_words, lax.bitcast_convert_type(_vector(0, n).astype(jnp.float32) + jnp.sum(h * h),
+                                                               jnp.uint32),
+               k_epoch, (k == j).astype(jnp.uint32)), jnp.float32)
+    theirs = lax.bitcast_convert_type(_poll(k_hi, k_lo, k_words, k_epoch, (k >= tiles) | (k == j)), jnp.float32)
+    squares = jnp.where(k == j, mine, jnp.where(k < tiles, theirs, 0.0))
+    return lax.rsqrt(jnp.sum(squares) / width + eps)
+
+
 def _add_norm_kernel(table_ref, rank_ref, x_ref, r_ref, w_ref, h_ref, n_ref, *, size: int, width: int,
                      scale: float, eps: float):
     """Program ``(row, j)`` of a ``(rows, width // tile)`` grid; the refs are tile ``j`` of the row (``x_ref``:
@@ -331,19 +351,10 @@ def _add_norm_kernel(table_ref, rank_ref, x_ref, r_ref, w_ref, h_ref, n_ref, *, 
     # The reference's formula: the sum cast to dt, scaled and added in dt (Triton may contract the two into one
     # FMA where XLA rounds twice: equal to the reference within dt's rounding, identical on every rank).
     h = (r_ref[...] + total.astype(dt) * jnp.asarray(scale, dt)).astype(jnp.float32)
-    # The row's sum of squares: each program's over its tile, traded through this GPU's partial-sum words and
-    # summed in tile order (the same order in every program and on every rank: the replicas stay identical).
-    k = jnp.arange(MAX_TILES, dtype=jnp.int32)
-    k_hi, k_lo = _vector(table_ref[rank, 0], MAX_TILES), _vector(table_ref[rank, 1], MAX_TILES)
-    k_epoch = _vector(jnp.max(epoch), MAX_TILES)
-    k_words = (_ROW_PARTIALS + row * MAX_TILES + k).astype(jnp.uint32)
-    mine = lax.bitcast_convert_type(
-        _store(k_hi, k_lo, k_words, lax.bitcast_convert_type(_vector(0, MAX_TILES).astype(jnp.float32)
-                                                               + jnp.sum(h * h), jnp.uint32),
-               k_epoch, (k == j).astype(jnp.uint32)), jnp.float32)
-    theirs = lax.bitcast_convert_type(_poll(k_hi, k_lo, k_words, k_epoch, (k >= tiles) | (k == j)), jnp.float32)
-    squares = jnp.where(k == j, mine, jnp.where(k < tiles, theirs, 0.0))
-    inv = lax.rsqrt(jnp.sum(squares) / width + eps)
+    if tiles == 1:  # the whole row in this program: no trade
+        inv = lax.rsqrt(jnp.sum(h * h) / width + eps)
+    else:
+        inv = _traded_inv(table_ref, rank, row, j, tiles, h, epoch, width, eps)
     # The counters, stored last: this program's, and the row's counters past the grid's tiles (j + m * tiles),
     # so every counter of a row moves together whatever the width of a call, and the epoch a program reads
     # is the one its peers' programs of the row use. The value stored is h, so the outputs wait for it.
@@ -384,9 +395,16 @@ def peer_all_reduce(x: jax.Array, workspace: PeerWorkspace, axis_name: Hashable)
     return out[:n].reshape(x.shape)
 
 
+def row_tiling(rows: int, width: int) -> tuple[int, int]:
+    """``(elements, warps)`` of each program of :func:`peer_all_reduce_add_norm` over ``rows`` rows of ``width``:
+    a lone row's tiling or the several rows' one (the constants above), at most the whole row."""
+    tile, warps = (ONE_ROW_TILE, ONE_ROW_WARPS) if rows == 1 else (ROW_TILE, ROW_WARPS)
+    return min(tile, width), warps
+
+
 def fits_rows(x: jax.Array | SplitSum, workspace: PeerWorkspace | None) -> bool:
     """Whether :func:`peer_all_reduce_add_norm` takes partial sums ``x [..., H]`` (or a ``SplitSum`` of them):
-    a workspace, fp32, ``H`` a power of 2 from 16 to :data:`ROW_WORDS` (tiles of ``ROW_TILE`` or one tile), at
+    a workspace, fp32, ``H`` a power of 2 from 16 to :data:`ROW_WORDS` (tiles of :func:`row_tiling`), at
     most :data:`MAX_ROWS` rows (so at most ``MAX_PROGRAMS`` programs and ``MAX_ELEMENTS`` elements, as
     :func:`peer_all_reduce`)."""
     if not isinstance(x, SplitSum) and x.ndim == 0:
@@ -405,10 +423,10 @@ def peer_all_reduce_add_norm(partial: jax.Array | SplitSum, residual: jax.Array,
     ``partial [..., H]`` fp32 (:func:`fits_rows`), or a :class:`~pallas_kernels.matmul.SplitSum` of it whose
     parts each program adds first (the split-K GEMM's own reduction, a kernel less; beyond :data:`MAX_PARTS`
     parts, or not a power of 2, XLA adds them before the kernel); ``residual [..., H]`` in
-    dt, ``weight [H]`` → ``(h, normed)`` in dt. A row is split over ``H / ROW_TILE`` programs, each reducing its
-    tile as :func:`peer_all_reduce` does (one program a row, or every program polling the whole row, was slower
-    than the all-reduce and XLA's add + norm apart, 2026-11-28), which trade their tiles' sums of squares on
-    the GPU. Call inside ``shard_map``."""
+    dt, ``weight [H]`` → ``(h, normed)`` in dt. A row is split over ``H / tile`` programs (:func:`row_tiling`),
+    each reducing its tile as :func:`peer_all_reduce` does (one program a row, or every program polling the whole
+    row, was slower, 2026-11-28 and 2026-12-01), which trade their tiles' sums of squares on the GPU (a program
+    that holds the whole row, ``H`` at most one tile, trades nothing). Call inside ``shard_map``."""
     from jax.experimental.pallas import triton as plt
 
     if not fits_rows(partial, workspace):
@@ -420,7 +438,7 @@ def peer_all_reduce_add_norm(partial: jax.Array | SplitSum, residual: jax.Array,
     if splits > MAX_PARTS or splits & (splits - 1):
         partial, splits = SplitSum.whole(partial.total()), 1
     width, rows = partial.shape[-1], partial.rows
-    tile = min(ROW_TILE, width)
+    tile, warps = row_tiling(rows, width)
     table = workspace.table()
     block = pl.BlockSpec((None, tile), lambda i, j: (i, j))
     h, normed = pl.pallas_call(
@@ -431,7 +449,7 @@ def peer_all_reduce_add_norm(partial: jax.Array | SplitSum, residual: jax.Array,
                   pl.BlockSpec((tile,), lambda i, j: (j,))],
         out_specs=[block, block],
         out_shape=[jax.ShapeDtypeStruct((rows, width), residual.dtype)] * 2,
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=1),
         name="peer_all_reduce_add_norm",
     )(jnp.asarray(table), lax.axis_index(axis_name).astype(jnp.int32).reshape(1), partial.parts,
       residual.reshape(rows, width), weight)

@@ -18,8 +18,8 @@ from minicpm_jax.errors import MiniCPMError
 from minicpm_jax.model.parallel import AXIS, make_mesh, peer_workspace, use_peer_all_reduce
 from pallas_kernels import backend
 from pallas_kernels.matmul import SplitSum
-from pallas_kernels.peer_all_reduce import (MAX_ELEMENTS, MAX_PARTS, MAX_ROWS, ROW_TILE, TILE, PeerWorkspace,
-                                            peer_all_reduce, peer_all_reduce_add_norm)
+from pallas_kernels.peer_all_reduce import (MAX_ELEMENTS, MAX_PARTS, MAX_ROWS, ONE_ROW_TILE, ROW_TILE, TILE,
+                                            PeerWorkspace, peer_all_reduce, peer_all_reduce_add_norm)
 
 WORKSPACE = PeerWorkspace((0x7F12_3456_7000, 0x7F98_7654_3000, 0x1_0000_0000))  # 3 ranks: a padded table
 PALLAS = backend.get("pallas")
@@ -58,15 +58,17 @@ def test_kernel_lowers_to_one_triton_launch_per_call(rows, width):
     assert calls == [f"peer_all_reduce {-(-rows * width // TILE)}x1"]
 
 
-@pytest.mark.parametrize("rows,width", [(1, 4096), (3, 512), (MAX_ROWS, 8192)])
-def test_fused_kernel_lowers_to_one_launch_of_a_program_per_tile_of_each_row(rows, width):
+@pytest.mark.parametrize("rows,width,tile", [(1, 4096, ONE_ROW_TILE), (1, 256, 256), (3, 512, ROW_TILE),
+                                             (MAX_ROWS, 8192, ROW_TILE)])
+def test_fused_kernel_lowers_to_one_launch_of_a_program_per_tile_of_each_row(rows, width, tile):
+    """A lone row is cut in tiles of ONE_ROW_TILE, several rows in ROW_TILE's (at most the row)."""
     ws = PeerWorkspace(WORKSPACE.addresses)
 
     def f(a):
         return jnp.stack(peer_all_reduce_add_norm(a[0], a[0].astype(jnp.bfloat16), 0.5, jnp.ones(width), eps=1e-6,
                                                   workspace=ws, axis_name=AXIS))[None]
     calls = _triton_calls(_split(f, 3), jnp.zeros((3, rows, width), jnp.float32))
-    assert calls == [f"peer_all_reduce_add_norm {rows}x{-(-width // ROW_TILE)}"]
+    assert calls == [f"peer_all_reduce_add_norm {rows}x{-(-width // tile)}"]
 
 
 def test_pallas_residual_ops_choose_the_kernel_only_when_it_applies():
@@ -83,7 +85,7 @@ def test_pallas_residual_ops_choose_the_kernel_only_when_it_applies():
     # one row: the reduction + add + norm in one kernel (a program a row: the width is one tile), then the
     # last layer's plain reduction (one program a TILE of the message) and XLA's add
     assert layer(ws, 1) == ["peer_all_reduce_add_norm 1x1", "peer_all_reduce 1x1"]
-    assert layer(ws, 1, width=4096) == [f"peer_all_reduce_add_norm 1x{4096 // ROW_TILE}",
+    assert layer(ws, 1, width=4096) == [f"peer_all_reduce_add_norm 1x{4096 // ONE_ROW_TILE}",
                                         f"peer_all_reduce {4096 // TILE}x1"]
     # 16 rows: the fused kernel; more rows than it fits: the plain kernel, then XLA's add + norm
     assert layer(ws, 16) == ["peer_all_reduce_add_norm 16x1", "peer_all_reduce 8x1"]
@@ -108,10 +110,10 @@ def test_split_parts_reach_the_fused_kernel_unreduced():
         text = jax.jit(_split(f, 2)).trace(parts).lower(lowering_platforms=("cuda",)).as_text()
         return _triton_calls(_split(f, 2), parts), "stablehlo.reduce" in text
 
-    assert layer(1) == ([f"peer_all_reduce_add_norm 1x{4096 // ROW_TILE}"], False)
+    assert layer(1) == ([f"peer_all_reduce_add_norm 1x{4096 // ONE_ROW_TILE}"], False)
     # more than MAX_PARTS parts (int4 down_proj's 32), or a count not a power of 2: XLA adds them, then the kernel
-    assert layer(1, splits=4 * MAX_PARTS) == ([f"peer_all_reduce_add_norm 1x{4096 // ROW_TILE}"], True)
-    assert layer(1, splits=3) == ([f"peer_all_reduce_add_norm 1x{4096 // ROW_TILE}"], True)
+    assert layer(1, splits=4 * MAX_PARTS) == ([f"peer_all_reduce_add_norm 1x{4096 // ONE_ROW_TILE}"], True)
+    assert layer(1, splits=3) == ([f"peer_all_reduce_add_norm 1x{4096 // ONE_ROW_TILE}"], True)
     assert layer(3) == ([f"peer_all_reduce_add_norm 3x{4096 // ROW_TILE}"], False)
     assert layer(MAX_ROWS + 1) == ([f"peer_all_reduce {(MAX_ROWS + 1) * 4096 // TILE}x1"], True)
 
