@@ -62,7 +62,7 @@ MAX_ROWS = MAX_ELEMENTS // ROW_WORDS  # rows per call (32)
 # Elements and warps a program (a row's programs then trade their sums of squares), for a lone row (batch-1 decode)
 # and for several rows (measured at 16; other counts take the same). One row: 512, not the first version's 1,024
 # (TP 2 decode 2.851 -> 2.785 ms/token); one program a row (4,096 elements, 16 or 32 warps: 3.02, 2.97) or 2,048
-# (2.85) lost to 512 (2.75-2.76). 16 rows: 256 (3.349 -> 3.246 ms a step in one call; in the next 256 3.27-3.30,
+# (2.85) lost to 512 (2.75-2.77). 16 rows: 256 (3.349 -> 3.246 ms a step in one call; in the next 256 3.27-3.30,
 # 128 3.28, 256 with 2 warps 3.30-3.31). 2x H200, one process a variant, alternating (lab note of 2026-12-01).
 ONE_ROW_TILE, ONE_ROW_WARPS = 512, 4
 ROW_TILE, ROW_WARPS = 256, 4

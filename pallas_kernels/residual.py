@@ -110,7 +110,8 @@ def residual_add_norm(partial: jax.Array | SplitSum, residual: jax.Array, scale:
     else :func:`residual_add`'s reduction, then XLA's add and norm. Every row count it fits: measured end to
     end on 2x H200 (MiniCPM4-8B shape, TP 2), one row gained (3.398 -> 3.252 ms/token, 2026-11-28), and 16 rows,
     which lost with the first version's 1,024-element tiles (3.867 -> 4.058; 3.467 -> 3.80 on 2026-11-30),
-    gained with 512 (3.467 -> 3.37 per step; docs/lab_notes/2026-11-30-fifty-second-session.md)."""
+    gained with 512 (3.467 -> 3.37 per step; docs/lab_notes/2026-11-30-fifty-second-session.md) and more with
+    256, the tiling of several rows since 2026-12-01 (3.349 -> 3.246; ``peer_all_reduce.row_tiling``)."""
     if axis_name is not None and fits_rows(partial, peers):
         return peer_all_reduce_add_norm(partial, residual, scale, weight, eps=eps, workspace=peers,
                                         axis_name=axis_name)
