@@ -28,11 +28,17 @@ import jax.numpy as jnp
 
 # Operand elements (left + right) below which XLA's GPU simplifier turns a one-row dot into a reduction.
 STRENGTH_REDUCED_BELOW = 10_000_000
-# matmul_parts' split of K for one row: blocks of at least SPLIT_ROWS rows, at most MAX_SPLITS of them (XLA's
-# autotuner chose the same for MiniCPM4-8B's split linears at TP 2 on an H200: o_proj K=2048 in 4, down_proj
-# K=8192 in 8; session 48's HLO dump).
+# matmul_parts' split of K: blocks of at least SPLIT_ROWS rows of the weight, at most MAX_SPLITS of them for one
+# row (XLA's autotuner chose the same for MiniCPM4-8B's split linears at TP 2 on an H200: o_proj K=2048 in 4,
+# down_proj K=8192 in 8; session 48's HLO dump), at most ROWS_MAX_SPLITS for 2 to SPLIT_MAX_ROWS rows (the fused
+# all-reduce kernel's MAX_ROWS; the RoPE kernel takes any). At batch 16, TP 2, XLA split q/k/v in 8, o_proj in 4
+# and down_proj in 8, each followed by a reduction kernel of its own (~1.6 µs a call); these splits, added by the
+# consumer kernels, took the step 3.28 -> 3.14 ms (8/4/8) or 3.12 (4/4/4: 3.18 -> 3.11 ms in the next call; o in
+# 8 3.20, q/k/v in 16 3.19; 2x H200, lab note of 2026-12-01, session 54).
 SPLIT_ROWS = 512
 MAX_SPLITS = 8
+ROWS_MAX_SPLITS = 4
+SPLIT_MAX_ROWS = 32
 
 
 @jax.tree_util.register_dataclass
@@ -90,12 +96,14 @@ def matmul_parts_reference(x: jax.Array, w: jax.Array) -> SplitSum:
 
 
 def default_splits(rows: int, k: int) -> int:
-    """How many blocks of K :func:`matmul_parts` splits a ``[rows, K]`` product into: on a GPU, for one row,
-    the most (a power of 2, up to MAX_SPLITS) that leave SPLIT_ROWS rows a block; else 1 (the plain GEMM)."""
-    if rows != 1 or jax.default_backend() != "gpu":
+    """How many blocks of K :func:`matmul_parts` splits a ``[rows, K]`` product into: on a GPU, for up to
+    SPLIT_MAX_ROWS rows, the most (a power of 2, up to MAX_SPLITS for one row, ROWS_MAX_SPLITS for more) that
+    leave SPLIT_ROWS rows a block; else 1 (the plain GEMM)."""
+    if rows > SPLIT_MAX_ROWS or jax.default_backend() != "gpu":
         return 1
+    most = MAX_SPLITS if rows == 1 else ROWS_MAX_SPLITS
     splits = 1
-    while splits < MAX_SPLITS and k % (2 * splits) == 0 and k // (2 * splits) >= SPLIT_ROWS:
+    while splits < most and k % (2 * splits) == 0 and k // (2 * splits) >= SPLIT_ROWS:
         splits *= 2
     return splits
 

@@ -9,6 +9,7 @@ import pytest
 from pallas_kernels import matmul as matmul_mod
 from pallas_kernels.matmul import (STRENGTH_REDUCED_BELOW, SplitSum, default_splits, keeps_one_row, matmul,
                                    matmul_parts, matmul_parts_reference)
+from pallas_kernels.peer_all_reduce import MAX_ROWS
 
 
 @pytest.fixture
@@ -72,13 +73,17 @@ def test_split_parts_add_up_to_the_product(splits):
         matmul_parts(jnp.asarray(x), jnp.asarray(w), splits=3)
 
 
-def test_default_splits_follow_xlas_choice_for_one_row(on_gpu):
-    """One row: K in blocks of >= 512 rows, up to 8 of them, as XLA's autotuner split MiniCPM4-8B's linears at
-    tensor parallelism 2; several rows, or a K without such blocks: one part (the plain GEMM)."""
+def test_default_splits_follow_xlas_choice_up_to_the_fused_kernels_rows(on_gpu):
+    """K in blocks of >= 512 rows: up to 8 of them for one row, as XLA's autotuner split MiniCPM4-8B's linears at
+    tensor parallelism 2; up to 4 for 2 to 32 rows (the fused all-reduce kernel's); more rows, or a K without
+    such blocks: one part (the plain GEMM)."""
     assert default_splits(1, 2048) == 4  # o_proj at TP 2
     assert default_splits(1, 4096) == 8 and default_splits(1, 8192) == 8  # down_proj at TP 2
-    assert default_splits(1, 1000) == 1 and default_splits(2, 8192) == 1 and default_splits(16, 4096) == 1
+    assert default_splits(16, 2048) == 4 and default_splits(16, 8192) == 4 and default_splits(32, 1024) == 2
+    assert default_splits(2, 4096) == 4 and default_splits(16, 512) == 1
+    assert default_splits(1, 1000) == 1 and default_splits(33, 8192) == 1 and default_splits(2048, 4096) == 1
     assert default_splits(1, 3 * 512) == 2  # blocks of 768 (4 would leave 384)
+    assert matmul_mod.SPLIT_MAX_ROWS == MAX_ROWS
 
 
 def test_cpu_takes_one_part():

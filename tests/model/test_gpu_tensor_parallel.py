@@ -83,21 +83,23 @@ def test_split_over_gpus_equals_one_gpu(mode, dtype, peer):
     assert got_tokens == want_tokens
 
 
-@pytest.mark.parametrize("mode,dtype", [("dense", jnp.bfloat16), ("int4", jnp.float32)],
-                         ids=["dense-bf16", "int4-fp32"])
-def test_one_row_decode_with_split_parts_equals_one_gpu(mode, dtype, monkeypatch):
-    """Batch 1 through the peer kernels: the row-parallel linears' K-split parts (``matmul_parts``, forced here
-    into blocks of 32 rows of this small model's K; the int4 kernel's own) added by the fused all-reduce."""
+@pytest.mark.parametrize("mode,dtype,batch", [("dense", jnp.bfloat16, 1), ("dense", jnp.bfloat16, 4),
+                                              ("int4", jnp.float32, 1)],
+                         ids=["dense-bf16", "dense-bf16-rows", "int4-fp32"])
+def test_decode_with_split_parts_equals_one_gpu(mode, dtype, batch, monkeypatch):
+    """Decode through the peer kernels with K-split parts (``matmul_parts``, forced here into blocks of 32 rows of
+    this small model's K; the int4 kernel's own): one row, and several (``dense-bf16-rows``: 4 parts, the q/k/v
+    parts added by the RoPE kernel, o_proj's and down_proj's by the fused all-reduce), against one GPU."""
     from pallas_kernels import matmul as matmul_mod
 
     monkeypatch.setattr(matmul_mod, "SPLIT_ROWS", 32)
     one = _model(mode, dtype)
 
     def run(model):
-        engine = Engine(model, batch_size=1, chunk_length=32, decode_block=4)
-        logits = np.asarray(engine.prefill(PROMPTS[:1]), np.float32)
+        engine = Engine(model, batch_size=batch, chunk_length=32, decode_block=4)
+        logits = np.asarray(engine.prefill(PROMPTS[:batch]), np.float32)
         engine.reset()
-        return logits, engine.generate(PROMPTS[:1], max_new_tokens=24)[0][0].token_ids
+        return logits, [r.token_ids for r in engine.generate(PROMPTS[:batch], max_new_tokens=24)[0]]
 
     want_logits, want_tokens = run(one)
     got_logits, got_tokens = run(_split(one, peer=True))
