@@ -1,5 +1,5 @@
 """A dense linear, ``x @ w``, kept a matrix product on GPUs at every batch size; and a row-parallel linear's
-product left as K-split partial sums (:class:`SplitSum`) for the all-reduce kernel to add.
+product left as K-split partial sums (:class:`SplitSum`) for the all-reduce or RoPE kernel to add.
 
 Not a Pallas kernel: the op is XLA's GEMM (cuBLAS or its Triton GEMM) in every backend. It exists because
 XLA's GPU algebraic simplifier rewrites a dot whose left operand is a single row — a decode step at
@@ -10,12 +10,14 @@ q/k/v and o projections fall under the limit (BENCHMARKS.md, tensor parallelism:
 GEMMs would take ~400), as do every linear of a sub-1B model. A dot of two rows is a matrix product
 whatever its size, so a single row is duplicated and one result row kept.
 
-**Split partial sums.** XLA runs a one-row GEMM over a long K as a split-K GEMM: ``S`` programs per output
-tile, each over ``K / S`` rows, and a separate kernel adding the ``S`` partial sums (~1.3 µs a call; the
-decode of a model split over 2 GPUs has two a layer, before the row-parallel ``o_proj``'s and ``down_proj``'s
-all-reduce, which as a custom call cannot absorb them). :func:`matmul_parts` writes that split itself, as a
-batched GEMM of the ``S`` blocks of K, and returns the partial sums unreduced; the peer all-reduce kernel adds
-them as it reads them (:mod:`pallas_kernels.residual`). The ``xla`` namespace's op is one part: the plain GEMM.
+**Split partial sums.** XLA runs a GEMM of few rows (a decode step's) over a long K as a split-K GEMM: ``S``
+programs per output tile, each over ``K / S`` rows, and a separate kernel adding the ``S`` partial sums (~1.3 µs
+a call; the decode of a model split over 2 GPUs has three a layer, before the RoPE kernel and the row-parallel
+``o_proj``'s and ``down_proj``'s all-reduce, custom calls that cannot absorb them). :func:`matmul_parts` writes
+that split itself for up to 32 rows, as a batched GEMM of the ``S`` blocks of K, and returns the partial sums
+unreduced; the peer all-reduce kernel (:mod:`pallas_kernels.residual`) and the RoPE kernel
+(:mod:`pallas_kernels.rope_write`) add them as they read them. The ``xla`` namespace's op is one part: the plain
+GEMM.
 """
 
 from __future__ import annotations
