@@ -1,5 +1,5 @@
-"""A dense linear, ``x @ w``, kept a matrix product on GPUs at every batch size; and a row-parallel linear's
-product left as K-split partial sums (:class:`SplitSum`) for the all-reduce or RoPE kernel to add.
+"""A dense linear, ``x @ w``, kept a matrix product on GPUs at every batch size; and a decode step's product
+left as K-split partial sums (:class:`SplitSum`) for the all-reduce or RoPE kernel to add.
 
 Not a Pallas kernel: the op is XLA's GEMM (cuBLAS or its Triton GEMM) in every backend. It exists because
 XLA's GPU algebraic simplifier rewrites a dot whose left operand is a single row — a decode step at
