@@ -75,9 +75,9 @@ def test_int4_matmul_matches_numpy(k, n, gs, sym, act_order, m, splits, config):
 
 
 def test_a_one_row_products_parts_are_cut_to_what_the_consumer_adds():
-    """The one-row kernel splits a long K into more parts than the fused all-reduce adds (32 here, as
-    MiniCPM4-8B's down_proj at TP 2); ``max_parts`` leaves at most that many (a divisor of the kernel's split),
-    without it the kernel's own, each with the same product."""
+    """The one-row kernel splits a long K into more parts than the fused all-reduce adds (64 here: one part a
+    128-row step, K = 8192 as MiniCPM4-8B's down_proj at TP 2, a narrow N); ``max_parts`` leaves at most that many
+    (a divisor of the kernel's split), without it the kernel's own, each with the same product."""
     from pallas_kernels.peer_all_reduce import MAX_PARTS
 
     k, n, gs = 8192, 64, 128
@@ -85,8 +85,8 @@ def test_a_one_row_products_parts_are_cut_to_what_the_consumer_adds():
     w = random_weight(rng, k, n, gs, sym=True, act_order=False)
     arrays = {name: jnp.asarray(a) for name, a in int4.to_engine(w).items()}
     x = rng.standard_normal((1, k)).astype(np.float32)
-    assert kern.choose_config(1, k, n, gs, kernel=kern.default_kernel(1, gs))[1] == 32
-    assert kern.int4_matmul_parts(jnp.asarray(x), **arrays, group_size=gs).parts.shape == (32, 1, n)
+    assert kern.choose_config(1, k, n, gs, kernel=kern.default_kernel(1, gs))[1] == 64
+    assert kern.int4_matmul_parts(jnp.asarray(x), **arrays, group_size=gs).parts.shape == (64, 1, n)
     parts = kern.int4_matmul_parts(jnp.asarray(x), **arrays, group_size=gs, max_parts=MAX_PARTS)
     assert parts.parts.shape == (MAX_PARTS, 1, n)
     assert kern.int4_matmul_parts(jnp.asarray(x), **arrays, group_size=gs, max_parts=12).parts.shape[0] == 8
