@@ -427,3 +427,20 @@ def test_gpu_int4_parts_of_a_long_k_row():
     exact = kern.int4_matmul_reference(x.astype(jnp.float32), **arrays, group_size=gs)
     assert parts.parts.shape == (MAX_PARTS, 1, n)
     assert helpers.rel_err(np.asarray(parts.total()), np.asarray(exact)) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(4096, 4608), (4096, 4096), (4096, 32768), (16384, 4096)],
+                         ids=["qkv", "o", "gate_up", "down"])
+def test_gpu_one_row_at_each_minicpm4_8b_linear(k, n):
+    """Compiled one-row kernel (bf16 x, g128, symmetric) with its default launch at each MiniCPM4-8B linear of one
+    GPU: the split the launch picks for the shape, its parts summed, equals the float32 reference."""
+    rng = np.random.default_rng(k + n)
+    w = random_weight(rng, k, n, 128, sym=True, act_order=False)
+    arrays = {name: jnp.asarray(a, jnp.bfloat16) if name == "scales" else jnp.asarray(a)
+              for name, a in int4.to_engine(w).items()}
+    x = jnp.asarray(rng.standard_normal((1, k)).astype(np.float32), jnp.bfloat16)
+    parts = kern.int4_matmul_parts(x, **arrays, group_size=128, interpret=False)
+    exact = kern.int4_matmul_reference(x.astype(jnp.float32), **arrays, group_size=128)
+    assert parts.parts.shape[0] == kern.choose_config(1, k, n, 128, kernel="planes")[1] > 1
+    assert helpers.rel_err(np.asarray(parts.total()), np.asarray(exact)) < 5e-3
