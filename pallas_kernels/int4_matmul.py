@@ -104,20 +104,17 @@ KERNELS = ("tile", "planes", "planes_t")
 # 29.7 / 16.9 µs for qkv / o / gate_up / down, where the launch sweep found nothing faster than this table
 # (docs/lab_notes/2026-11-29-forty-third-session.md). 2..16 rows with centred, K-adjacent pairs in `planes`
 # (H200, 2026-11-30, best of 2 in one process): 85.5 vs 95.8 µs a layer for `planes_t`; no launch of 15 tried
-# beat this entry (docs/lab_notes/2026-11-30-forty-fourth-session.md). One row since session 55 (H200, the kernel
-# alone, 32 weights a case, 8 launches; docs/lab_notes/2026-12-01-fifty-fifth-session.md): one 128-row chunk a
-# step at 16 programs per core, 48.6 µs a layer for qkv / o / gate_up / down against 51.0 for 256-row steps at 32
-# (6.07 → 5.66, 5.57 → 5.66, 24.4 → 24.2, 14.9 → 13.0 µs), int4 decode 1K batch 1 2.325/2.331 → 2.262/2.262 ms a
-# token (processes alternating, fresh caches). Not yet measured at TP 2 (half-size linears).
+# beat this entry (docs/lab_notes/2026-11-30-forty-fourth-session.md). One row, session 55 (H200, 8 launches, the
+# kernel alone): one 128-row chunk a step, 48.6 µs a layer against 51.0 for 256-row steps; int4 decode 1K 2.328 →
+# 2.262 ms/token (docs/lab_notes/2026-12-01-fifty-fifth-session.md; not yet measured at TP 2).
 PLANES_CONFIGS = {
     1: ("planes", Int4Config(block_m=1, block_n=64, block_k=128, num_warps=4, num_stages=2)),
     16: ("planes", Int4Config(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)),
     64: ("planes_t", Int4Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)),
 }
 PLANES_MIN_GROUP = 128  # with 2+ rows a plane of one scale group must have >= 16 word rows (the tensor cores' K)
-# K is split over programs until there are about this many per core: the one-row GEMV is bound by loads
-# in flight, and 32 programs per core beat 4 by 10-20% (the same sweep) with 256-row steps; with one 128-row chunk
-# a step 16 beat 32 (48.6 against 49.7 µs a layer, session 55). The dot tiles stay at 4.
+# K is split over programs until there are about this many per core: the one-row GEMV is bound by loads in flight
+# (32 beat 4 by 10-20% with 256-row steps; with 128-row steps 16 beat 32, session 55); the dot tiles stay at 4.
 PROGRAMS_PER_CORE = {"gemv": 16, "dot": 4}
 
 
@@ -456,16 +453,11 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
                     correction = fma(zo, xv[:, None], low[:, None], asm=asm) if pairs else zo * xv[:, None]
                 else:  # zo a constant: one term per row
                     correction = jnp.broadcast_to((zo * xv + low)[:, None], (rows, block_n))
-            if mode == "gemv" and pairs:
-                # The correction starts the products' sum (one subtraction a word fewer than after them).
-                t = chunk_product(w, r0, xg, -correction)
-            else:
-                t = chunk_product(w, r0, xg)
-                if correction is not None:
-                    t = t - correction
-            # One multiply-add in every mode: written as acc + t·s, Triton leaves an FMUL and an FADD per element
-            # (9% of the 16-row kernel's instructions, ncu, session 44). The 16-row kernel is not bound by issue:
-            # a layer 66.4 → 65.8 µs, batch-16 decode 3.147 → 3.141 ms (H200, session 55), within noise.
+            starts = mode == "gemv" and pairs  # the correction starts the products' sum: no subtraction after it
+            t = chunk_product(w, r0, xg, -correction if starts else None)
+            t = t - correction if correction is not None and not starts else t
+            # One multiply-add in every mode (written as acc + t·s, Triton emits FMUL + FADD: 9% of the 16-row
+            # kernel's instructions, session 44; measured neutral there, the kernel is not issue-bound, session 55).
             acc = fma(t, s, acc, asm=asm)
             if zo is not None and mode != "gemv":
                 zs = zo * s_ref[pl.ds(g, 1), :].astype(jnp.float32)
