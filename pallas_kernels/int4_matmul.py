@@ -93,20 +93,10 @@ MAX_KERNEL_ROWS = 64
 
 KERNELS = ("tile", "planes", "planes_t")
 
-# The nibble-plane kernels for kpacked weights, by rows (H100, MiniCPM4-8B linears, group 128; BENCHMARKS.md
-# 2026-11-23, second session). One row: 10.2 / 44.3 / 25.8 µs for qkv / gate_up / down vs 11.5 / 49.9 / 27.4
-# for the best tile-kernel split; 2..16 rows (planes, scale groups of >= 128 rows): 14.2 / 62.2 / 34.2 vs
-# 20.3 / 91.4 / 51.3; 17..64 rows (planes_t): 18.0 / 79.9 / 40.6 vs 25.8 / 103.9 / 56.7.
-# With code pairs (H200, 2026-11-29, 16 rows, same process, float32 planes in `planes` -> pairs in `planes_t`,
-# best of 2): gate_up 59.0 -> 51.3, down 36.3 -> 30.0, qkv 14.6 -> 14.1, o 12.3 -> 11.8 µs, 1.14x a layer; one
-# row 95.2 -> 90.9 µs a layer (docs/lab_notes/2026-11-29-thirty-eighth-session.md). With single-instruction
-# multiply-adds and mask-ors (H200, 2026-11-29, `--scenarios int4 --noxla_command_buffers`): one row 6.9 / 6.6 /
-# 29.7 / 16.9 µs for qkv / o / gate_up / down, where the launch sweep found nothing faster than this table
-# (docs/lab_notes/2026-11-29-forty-third-session.md). 2..16 rows with centred, K-adjacent pairs in `planes`
-# (H200, 2026-11-30, best of 2 in one process): 85.5 vs 95.8 µs a layer for `planes_t`; no launch of 15 tried
-# beat this entry (docs/lab_notes/2026-11-30-forty-fourth-session.md). One row, session 55 (H200, 8 launches, the
-# kernel alone): one 128-row chunk a step, 48.6 µs a layer against 51.0 for 256-row steps; int4 decode 1K 2.328 →
-# 2.262 ms/token (docs/lab_notes/2026-12-01-fifty-fifth-session.md; not yet measured at TP 2).
+# The nibble-plane kernels for kpacked weights, by rows: each entry the best of its sweep on MiniCPM4-8B's linears,
+# group 128 (one row: 8 launches, session 55; 2..16 rows with centred K-adjacent pairs in `planes`: 85.5 vs 95.8 µs a
+# layer for `planes_t`, 15 launches, session 44; 17..64 rows: `planes_t`, session 2). The history of these numbers
+# is in docs/int4.md and the lab notes.
 PLANES_CONFIGS = {
     1: ("planes", Int4Config(block_m=1, block_n=64, block_k=128, num_warps=4, num_stages=2)),
     16: ("planes", Int4Config(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)),
@@ -116,6 +106,10 @@ PLANES_MIN_GROUP = 128  # with 2+ rows a plane of one scale group must have >= 1
 # K is split over programs until there are about this many per core: the one-row GEMV is bound by loads in flight
 # (32 beat 4 by 10-20% with 256-row steps; with 128-row steps 16 beat 32, session 55); the dot tiles stay at 4.
 PROGRAMS_PER_CORE = {"gemv": 16, "dot": 4}
+# One row: 128-column tiles wherever they keep about a wave of programs (>= 7 per core) in at most 32 K-split parts,
+# else the entry's 64 (H200, the kernel alone: o 5.70 -> 5.21 µs, gate_up 24.19 -> 23.64; down would need 64 parts
+# at 128 columns and took 13.9 against 13.0; docs/lab_notes/2026-12-01-fifty-sixth-session.md).
+ONE_ROW_WIDE = {"block_n": 128, "programs_per_core": 7, "max_parts": 32}
 
 
 def _planes_entry(m: int) -> tuple[str, Int4Config]:
@@ -374,13 +368,9 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
 
     def gemv_x(r0) -> list[jax.Array]:
         """One row: x's 8 planes of the chunk at word row r0, ``x[8(r0 + i) + p]`` for i < rows, as float32,
-        split out of one contiguous load of the chunk of x itself.
-
-        Planes cut outside were a launch of their own wherever x's producer is not an XLA fusion (the fused
-        all-reduce at TP 2, the attention's output): 105 µs a TP 2 int4 step. In the kernel alone (H200, bf16,
-        MiniCPM4-8B's linears, 32 weights a case) the split beat the outside planes on every linear but TP 1's
-        q/k/v (6.26 against 5.83 µs; a layer 53.2 against 55.4 µs at TP 1, 31.9 against 35.2 at TP 2), and
-        stride-8 loads of each plane (55.3 and 32.8) (lab note of the fifty-first session)."""
+        split out of one contiguous load of the chunk of x itself. Planes cut outside were a launch of their own
+        wherever x's producer is not an XLA fusion (105 µs a TP 2 int4 step); in the kernel alone the split beat
+        them and stride-8 loads of each plane (lab note of the fifty-first session)."""
         xc = x_ref[pl.ds(8 * r0, 8 * rows)].astype(jnp.float32).reshape(rows, 8)
         return [a.reshape(rows) for a in jnp.split(xc, 8, axis=1)]
 
@@ -456,8 +446,7 @@ def _plane_kernel(x_ref, w_ref, s_ref, *rest, rows, chunks, steps, group_size, m
             starts = mode == "gemv" and pairs  # the correction starts the products' sum: no subtraction after it
             t = chunk_product(w, r0, xg, -correction if starts else None)
             t = t - correction if correction is not None and not starts else t
-            # One multiply-add in every mode (written as acc + t·s, Triton emits FMUL + FADD: 9% of the 16-row
-            # kernel's instructions, session 44; measured neutral there, the kernel is not issue-bound, session 55).
+            # One multiply-add in every mode (as acc + t·s Triton emits FMUL + FADD; neutral at 16 rows, session 55).
             acc = fma(t, s, acc, asm=asm)
             if zo is not None and mode != "gemv":
                 zs = zo * s_ref[pl.ds(g, 1), :].astype(jnp.float32)
@@ -509,11 +498,25 @@ def _chunk(block_k: int, group_size: int) -> int:
 def choose_config(m: int, k: int, n: int, group_size: int, base: Int4Config | None = None, kernel: str = "tile",
                   splits: int | None = None) -> tuple[Int4Config, int]:
     """(launch config, number of K splits) for an ``[m, k] @ [k, n]`` problem; ``base`` (default: the
-    table entry of ``kernel`` for m) has its block sizes shrunk to divisors of the problem (of K / splits
-    when ``splits`` is given)."""
-    if base is None and kernel != "tile":
+    table entry of ``kernel`` for m, one row widened by :data:`ONE_ROW_WIDE`) has its block sizes shrunk to
+    divisors of the problem (of K / splits when ``splits`` is given)."""
+    default = base is None and kernel != "tile"
+    if default:
         base = _planes_entry(m)[1]
     cfg = base or (GEMV_CONFIG if m == 1 else DOT_CONFIGS[min(128, max(16, next_power_of_2(m)))])
+    launch = _launch(cfg, m, k, n, group_size, kernel, splits)
+    if default and m == 1 and splits is None:
+        wide = _launch(dataclasses.replace(cfg, block_n=ONE_ROW_WIDE["block_n"]), m, k, n, group_size, kernel, None)
+        programs = n // wide[0].block_n * wide[1]
+        if (wide[0].block_n > launch[0].block_n and wide[1] <= ONE_ROW_WIDE["max_parts"]
+                and programs >= ONE_ROW_WIDE["programs_per_core"] * num_cores()):
+            return wide
+    return launch
+
+
+def _launch(cfg: Int4Config, m: int, k: int, n: int, group_size: int, kernel: str,
+            splits: int | None) -> tuple[Int4Config, int]:
+    """:func:`choose_config` from one starting config: (config, K splits)."""
     block_n = _largest_pow2_divisor(n, cfg.block_n, 8)
     chunk = _chunk(min(cfg.block_k, max(1, k // splits)) if splits else cfg.block_k, group_size)
     k_split = k // splits if splits and k % (splits * chunk) == 0 else k

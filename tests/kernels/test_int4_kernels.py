@@ -93,6 +93,24 @@ def test_a_one_row_products_parts_are_cut_to_what_the_consumer_adds():
     assert_close(parts.total(), _oracle_y(x, w), 1e-5)
 
 
+def test_one_row_launch_takes_128_columns_where_a_wave_of_programs_stays(monkeypatch):
+    """The default one-row launch takes 128-column tiles where they keep at least 7 programs per core in at most 32
+    K-split parts, else the entry's 64 columns: on 132 cores MiniCPM4-8B's q/k/v, o_proj and gate_up go wide, its
+    down_proj (64 parts) does not, nor at TP 2 any linear but gate_up (under a wave). A given config or split count
+    is taken as given."""
+    monkeypatch.setattr(kern, "num_cores", lambda: 132)
+    want = {(4096, 4608): (128, 32), (4096, 4096): (128, 32), (4096, 32768): (128, 8), (16384, 4096): (64, 32),
+            (4096, 2304): (64, 32), (2048, 4096): (64, 16), (4096, 16384): (128, 16), (8192, 4096): (64, 32)}
+    for (k, n), (block_n, splits) in want.items():
+        cfg, got = kern.choose_config(1, k, n, 128, kernel="planes")
+        assert (cfg.block_n, cfg.block_k, got) == (block_n, 128, splits), (k, n)
+    assert kern.choose_config(1, 4096, 4096, 128, kernel="planes", splits=4) == (
+        kern.Int4Config(1, 64, 128, 4, 2), 4)
+    given = kern.Int4Config(1, 64, 128, 4, 2)
+    assert kern.choose_config(1, 4096, 4096, 128, given, kernel="planes")[0] == given
+    assert kern.choose_config(2, 4096, 4096, 128, kernel="planes")[0].block_n == 128  # the 16-row entry's own
+
+
 @pytest.mark.parametrize("gs,sym,act_order,n", [(32, False, True, 128), (512, True, False, 128), (64, True, False, 128),
                                                 (48, False, False, 100)],
                          ids=["asym-g32-actorder", "sym-perchannel", "sym-g64", "g48-n100-no-pow2-tile"])
