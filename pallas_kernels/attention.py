@@ -71,8 +71,6 @@ from pallas_kernels.launch import KernelConfig, launch_options, next_power_of_2,
 # The decode kernel takes up to this many query tokens per sequence (tree verification sizes above it
 # belong to the prefill kernel).
 MAX_DECODE_QUERIES = 16
-# A decode split covers at least this many keys, so short contexts do not pay for many empty programs.
-_MIN_SPLIT_KEYS = 64
 
 
 def attention_reference(
@@ -207,16 +205,22 @@ def _decode_kernel(*refs, qk_scale, block_k, num_splits, page_size=None):
 
 
 def decode_splits(batch: int, kv_heads: int, row_blocks: int, max_length: int, block_k: int) -> int:
-    """How many programs share one sequence's keys: about enough to give every SM two programs, but no
-    split shorter than ``max(_MIN_SPLIT_KEYS, block_k)`` keys of the buffer (``max_length``: a row's
-    capacity, ``P * page_size`` for a paged pool); a power of 2."""
-    by_length = pl.cdiv(max_length, max(_MIN_SPLIT_KEYS, block_k))
+    """How many programs share one sequence's keys, a power of 2: a program per key block of the buffer
+    (``max_length``: a row's capacity, ``P * page_size`` for a paged pool), rounded up, where that is at most about
+    two programs per SM; else the power of 2 nearest to two programs per SM.
+
+    Rounding up leaves a few programs without a key (they exit at once): at a 1K context in a 1,096-slot cache
+    (H200, MiniCPM4-8B's heads, kernel + merge, 4 warps) 64 splits of one 32-key block took 4.96 µs a layer against
+    5.32 for 32 splits of two blocks and 5.62 for 16 splits of 64 keys, what the rule gave before
+    (docs/lab_notes/2026-12-01-fifty-sixth-session.md)."""
+    by_length = pl.cdiv(max_length, block_k)
     by_occupancy = pl.cdiv(2 * num_cores(), batch * kv_heads * row_blocks)
-    n = max(1, min(by_length, by_occupancy))
-    # The power of 2 nearest to n (not above by_length), so the splits merge in one Pallas launch
-    # (merge_splits_rows) instead of XLA's passes: 128 rather than 132 programs per KV head on an H100.
-    p = next_power_of_2(n)
-    return p // 2 if p > by_length or p - n > n - p // 2 else p
+    if by_length <= by_occupancy:
+        return next_power_of_2(by_length)
+    # The power of 2 nearest to by_occupancy, so the splits merge in one Pallas launch (merge_splits_rows)
+    # instead of XLA's passes: 128 rather than 132 programs per KV head on an H100.
+    p = next_power_of_2(by_occupancy)
+    return p // 2 if p - by_occupancy > by_occupancy - p // 2 else p
 
 
 def decode_attention(

@@ -90,8 +90,8 @@ def test_decode_kernel_matches_reference(case, dtype):
 
 
 def test_decode_splits_are_powers_of_two_near_two_programs_per_core(monkeypatch):
-    """The default split count is the power of 2 nearest to two programs per core (so the decode merge
-    is one Pallas launch), never splitting the buffer below max(64, block_k) keys; decode_attention with
+    """The default split count is a power of 2 (so the decode merge is one Pallas launch): a program per key block
+    of a short buffer (rounded up), else the power of 2 nearest to two programs per core; decode_attention with
     it (4 splits here, through merge_splits_rows) and with a count that is not a power of 2 (XLA's merge)
     equals the reference."""
     import pallas_kernels.attention as attention_module
@@ -100,12 +100,18 @@ def test_decode_splits_are_powers_of_two_near_two_programs_per_core(monkeypatch)
     assert decode_splits(1, 2, 1, 131072, 64) == 128  # 132 wanted
     assert decode_splits(3, 3, 1, 131072, 64) == 32  # 30 wanted: 32 is nearer than 16
     assert decode_splits(2, 3, 1, 131072, 64) == 32  # 44 wanted: 32 is nearer than 64
-    assert decode_splits(1, 2, 1, 900, 64) == 8  # at most ceil(900 / 64) = 15 splits: 16 is too many
+    assert decode_splits(1, 2, 1, 900, 64) == 16  # 15 blocks of 64 keys, rounded up
+    assert decode_splits(1, 2, 1, 1096, 32) == 64  # 35 blocks of 32 keys (the e2e 1K row's cache)
     assert decode_splits(1, 2, 1, 48, 64) == 1
     for args in [(b, kvh, m, s, bk) for b in (1, 2, 3, 5) for kvh in (1, 2, 3, 8) for m in (1, 2)
                  for s in (64, 700, 8192) for bk in (32, 64, 128)]:
-        n = decode_splits(*args)
-        assert n & (n - 1) == 0 and (n == 1 or n <= -(-args[3] // max(64, args[4]))), (args, n)
+        n, blocks = decode_splits(*args), -(-args[3] // args[4])
+        by_occupancy = -(-264 // (args[0] * args[1] * args[2]))
+        assert n & (n - 1) == 0, (args, n)
+        if blocks <= by_occupancy:  # a program per block, fewer than half of them without a key
+            assert blocks <= n < 2 * blocks, (args, n)
+        else:  # the power of 2 nearest to two programs per core
+            assert 2 * by_occupancy / 3 <= n <= 4 * by_occupancy / 3, (args, n)
     monkeypatch.setattr(attention_module, "num_cores", lambda: 2)  # 4 splits by occupancy for one KV head
     for splits in (None, 3):
         _check(decode_attention, jnp.float32, 5, 1, 1, 4, 1, 300, 16, [250], [1], config=SMALL, num_splits=splits)
