@@ -1,4 +1,4 @@
-"""How the int4 plane kernels read codes as floats, and x's matching planes (pallas_kernels/int4_matmul.py).
+"""How the int4 plane kernels read codes as floats, and x's matching planes (pallas_kernels/int4_planes.py).
 
 A kpacked word (GPTQ's layout, ``int32``) holds 8 consecutive input rows' codes, lowest nibble first; nibble p of
 every word of a tile is plane p. The kernels read a plane without unpacking the words:

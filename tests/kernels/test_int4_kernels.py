@@ -1,4 +1,4 @@
-"""The W4A16 Pallas kernel (pallas_kernels/int4_matmul.py) against ``x @ W`` in float64 NumPy, W
+"""The W4A16 Pallas kernels (pallas_kernels/int4_matmul.py, int4_planes.py) against ``x @ W`` in float64 NumPy, W
 dequantized from the format definition (``tests/oracles.py``); the int4 formats themselves:
 ``tests/io/test_int4_formats.py``.
 
