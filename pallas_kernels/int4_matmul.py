@@ -82,18 +82,20 @@ MAX_KERNEL_ROWS = 64
 KERNELS = ("tile", "planes", "planes_t")
 
 # The nibble-plane kernels for kpacked weights, by rows: each entry the best of its sweep on MiniCPM4-8B's linears,
-# group 128 (one row: 8 launches, session 55; 2..16 rows with centred K-adjacent pairs in `planes`: 85.5 vs 95.8 µs a
-# layer for `planes_t`, 15 launches, session 44; 17..64 rows: `planes_t`, session 2). The history of these numbers
-# is in docs/int4.md and the lab notes.
+# group 128 (one row: 8 launches, session 55; 2..16 rows with centred K-adjacent pairs in `planes`, one warp a
+# program: 55.6 vs 65.7 µs a layer for 4 warps, the best of 28 launches, session 57; 17..64 rows: `planes_t`, session
+# 2, at 2 warps since session 57: 159.6 vs 178.3 µs a layer). The history is in docs/int4.md and the lab notes.
 PLANES_CONFIGS = {
     1: ("planes", Int4Config(block_m=1, block_n=64, block_k=128, num_warps=4, num_stages=2)),
-    16: ("planes", Int4Config(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)),
-    64: ("planes_t", Int4Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)),
+    16: ("planes", Int4Config(block_m=16, block_n=64, block_k=128, num_warps=1, num_stages=3)),
+    64: ("planes_t", Int4Config(block_m=64, block_n=64, block_k=128, num_warps=2, num_stages=3)),
 }
 PLANES_MIN_GROUP = 128  # with 2+ rows a plane of one scale group must have >= 16 word rows (the tensor cores' K)
 # K is split over programs until there are about this many per core: the one-row GEMV is bound by loads in flight
-# (32 beat 4 by 10-20% with 256-row steps; with 128-row steps 16 beat 32, session 55); the dot tiles stay at 4.
-PROGRAMS_PER_CORE = {"gemv": 16, "dot": 4}
+# (32 beat 4 by 10-20% with 256-row steps; with 128-row steps 16 beat 32, session 55); the 2..16-row `planes`
+# programs at 8, which splits MiniCPM4-8B's linears as 4 did with 128 columns (64 columns, 2 warps: 4, 8, 16 per core
+# 70.1, 59.6, 66.4 µs a layer, session 57); the other dot tiles at 4.
+PROGRAMS_PER_CORE = {"gemv": 16, "planes": 8, "dot": 4}
 # One row: 128-column tiles wherever they keep about a wave of programs (>= 7 per core) in at most 32 K-split parts,
 # else the entry's 64 (H200, the kernel alone: o 5.70 -> 5.21 µs, gate_up 24.19 -> 23.64; down would need 64 parts
 # at 128 columns and took 13.9 against 13.0; docs/lab_notes/2026-12-01-fifty-sixth-session.md).
@@ -365,7 +367,10 @@ def _launch(cfg: Int4Config, m: int, k: int, n: int, group_size: int, kernel: st
     if splits:
         return dataclasses.replace(cfg, block_n=block_n, block_k=block_k), splits
     # split K until there are PROGRAMS_PER_CORE programs per core (deterministic partial sums, reduced by XLA)
-    per_core = PROGRAMS_PER_CORE["gemv" if m == 1 and kernel != "tile" else "dot"]
+    if kernel == "tile":
+        per_core = PROGRAMS_PER_CORE["dot"]
+    else:  # the nibble-plane kernels: the one-row GEMV mode, `planes`, or `planes_t` (the dot tiles' count)
+        per_core = PROGRAMS_PER_CORE["gemv" if m == 1 else kernel if kernel in PROGRAMS_PER_CORE else "dot"]
     splits = _largest_divisor(steps, max(1, per_core * num_cores() // tiles))
     return dataclasses.replace(cfg, block_n=block_n, block_k=block_k), splits
 

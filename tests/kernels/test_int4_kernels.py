@@ -108,7 +108,21 @@ def test_one_row_launch_takes_128_columns_where_a_wave_of_programs_stays(monkeyp
         kern.Int4Config(1, 64, 128, 4, 2), 4)
     given = kern.Int4Config(1, 64, 128, 4, 2)
     assert kern.choose_config(1, 4096, 4096, 128, given, kernel="planes")[0] == given
-    assert kern.choose_config(2, 4096, 4096, 128, kernel="planes")[0].block_n == 128  # the 16-row entry's own
+    assert kern.choose_config(2, 4096, 4096, 128, kernel="planes")[0].block_n == 64  # the 16-row entry's own
+
+
+def test_two_to_sixteen_row_launch_runs_one_warp_a_program_at_eight_per_core(monkeypatch):
+    """2..16 rows (decode batches, speculative trees) run `planes` in one-warp programs of 64 columns, K split until
+    there are about 8 programs per core: on 132 cores MiniCPM4-8B's four linears keep the K-split parts the 4-warp,
+    128-column launch at 4 per core had (so their consumers add as many); 17..64 rows take `planes_t` at 2 warps."""
+    monkeypatch.setattr(kern, "num_cores", lambda: 132)
+    want = {(4096, 4608): 8, (4096, 4096): 16, (4096, 32768): 2, (16384, 4096): 16}
+    for m in (2, 12, 16):
+        for (k, n), splits in want.items():
+            cfg, got = kern.choose_config(m, k, n, 128, kernel=kern.default_kernel(m, 128))
+            assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, got) == (16, 64, 1, 3, splits), (m, k, n)
+    cfg, got = kern.choose_config(64, 4096, 32768, 128, kernel=kern.default_kernel(64, 128))
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, got) == (64, 64, 2, 1)
 
 
 @pytest.mark.parametrize("gs,sym,act_order,n", [(32, False, True, 128), (512, True, False, 128), (64, True, False, 128),
